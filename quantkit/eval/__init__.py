@@ -1,0 +1,1 @@
+"""Quality measurements of a loaded model."""

@@ -1,0 +1,44 @@
+"""Token perplexity, GPTQ-style: tokenize the whole evaluation text once (the tokenizer's own special
+tokens, so at most one BOS at the very start), cut it into non-overlapping windows of seq_len tokens
+(the tail shorter than a window is dropped), and average the next-token NLL over every predicted token
+of every window (seq_len-1 per window, no context carried across windows)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import data
+from ..errors import QuantkitError
+from ..progress import Reporter
+
+
+def eval_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:
+    path = data.resolve(dataset, "eval", "--dataset")
+    ids = torch.tensor(tokenizer(data.read_text(path, field="--dataset"))["input_ids"], dtype=torch.int64)
+    return ids[:max_tokens] if max_tokens else ids
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, seq_len: int, report: Reporter, device: str | torch.device = "cpu") -> dict:
+    windows = ids.numel() // seq_len
+    if windows == 0:
+        raise QuantkitError(f"--seq-len: {seq_len} is longer than the {ids.numel()} evaluation tokens")
+    start = time.perf_counter()
+    nll, count = 0.0, 0
+    for i in report.steps("ppl window", windows):
+        window = ids[i * seq_len : (i + 1) * seq_len].unsqueeze(0).to(device)
+        logits = model(input_ids=window, use_cache=False).logits[0, :-1].float()
+        nll += float(F.cross_entropy(logits, window[0, 1:], reduction="sum"))
+        count += seq_len - 1
+    return {
+        "ppl": math.exp(nll / count),
+        "nll": nll / count,
+        "windows": windows,
+        "seq_len": seq_len,
+        "tokens_scored": count,
+        "seconds": round(time.perf_counter() - start, 2),
+    }

@@ -1,0 +1,1 @@
+"""Packed checkpoint formats (GPTQ, compressed-tensors) and the artifact folder writer."""

@@ -1,0 +1,49 @@
+"""What every format encoder consumes and produces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms.grid import GridSpec, QuantizedWeight
+
+
+@dataclass
+class QuantInfo:
+    """How the weights were quantized, as the formats' configs need to say it."""
+
+    method: str  # gptq | rtn
+    spec: GridSpec
+    act_order: bool = False
+    damp: float | None = None
+    unquantized_linears: list[str] = field(default_factory=list)  # full names of Linear layers left float
+    block_linears_prefix: str = "model.layers"  # where the decoder blocks live
+
+
+@dataclass
+class Encoded:
+    tensors: dict[str, torch.Tensor]  # full tensor names -> packed tensors (replacing `<module>.weight`)
+    quantization_config: dict
+    extra_files: dict[str, dict] = field(default_factory=dict)  # file name -> JSON body
+
+
+def split_by_module(tensors: dict[str, torch.Tensor], marker: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{module prefix: {suffix: tensor}} for every module that has a `marker` tensor."""
+    prefixes = {name[: -len(marker) - 1] for name in tensors if name.endswith("." + marker)}
+    out: dict[str, dict[str, torch.Tensor]] = {p: {} for p in prefixes}
+    for name, t in tensors.items():
+        prefix, _, suffix = name.rpartition(".")
+        if prefix in out:
+            out[prefix][suffix] = t
+    return out
+
+
+def trivial_g_idx(g_idx: torch.Tensor | None, span: int) -> torch.Tensor | None:
+    """None when g_idx is just col // span (contiguous groups), else g_idx itself."""
+    if g_idx is None or torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // span):
+        return None
+    return g_idx.long()
+
+
+__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "GridSpec", "split_by_module", "trivial_g_idx"]

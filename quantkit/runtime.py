@@ -1,0 +1,94 @@
+"""Load an artifact back into a plain torch model so eval measures exactly what ships.
+
+Quantized Linear weights are unpacked from the files and dequantized into ordinary nn.Linear weights
+(fast low-bit kernels are the bench's business). Plain HF folders and GGUF files load as originals.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from .errors import QuantkitError
+from .export import compressed_tensors, gptq
+from .export.base import split_by_module
+from .model import Loaded, load_model, torch_dtype
+
+DECODERS = {
+    "gptq": (gptq.MARKER, gptq.decode_module),
+    "compressed-tensors": (compressed_tensors.MARKER, compressed_tensors.decode_module),
+}
+
+
+def artifact_format(path: str | Path) -> str | None:
+    """'gptq' / 'compressed-tensors' for a quantized folder, None for anything else."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    qcfg = json.loads(cfg.read_text()).get("quantization_config") or {}
+    method = qcfg.get("quant_method")
+    if method is not None and method not in DECODERS:
+        raise QuantkitError(f"{path}: quantization method '{method}' is not one quantkit reads ({', '.join(DECODERS)})")
+    return method
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(str(folder / "*.safetensors")))
+    if not files:
+        raise QuantkitError(f"{folder}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
+            raise QuantkitError(f"{f}: unreadable safetensors file ({err})") from None
+    return tensors
+
+
+def dequantized_state_dict(folder: Path, fmt: str, qcfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    marker, decode = DECODERS[fmt]
+    tensors = read_tensors(folder)
+    modules = split_by_module(tensors, marker)
+    state = {}
+    for name, t in tensors.items():
+        prefix, _, _ = name.rpartition(".")
+        if prefix in modules and not name.endswith(".bias"):
+            continue
+        state[name] = t.to(dtype) if t.is_floating_point() else t
+    for prefix, parts in modules.items():
+        state[f"{prefix}.weight"] = decode(parts, qcfg).dequantize(dtype)
+    return state
+
+
+def load(path: str, dtype: str = "auto") -> Loaded:
+    """An artifact folder, an HF folder, a GGUF file or a hub id, as a float torch model on CPU."""
+    fmt = artifact_format(path)
+    if fmt is None:
+        return load_model(path, dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+
+    folder = Path(path)
+    raw = json.loads((folder / "config.json").read_text())
+    qcfg = raw.pop("quantization_config")
+    stored = torch_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    want = stored if dtype == "auto" else torch_dtype(dtype)
+    config = AutoConfig.for_model(**raw)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=want)
+    state = dequantized_state_dict(folder, fmt, qcfg, want)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise QuantkitError(
+            f"{path}: tensors do not match the config (missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+    model.tie_weights()
+    model.eval()
+    return Loaded(model, AutoTokenizer.from_pretrained(str(folder)), str(folder))

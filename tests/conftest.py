@@ -1,0 +1,38 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp("tiny") / arch, arch)
+        return made[arch]
+
+    return get
+
+
+def write_recipe(path: Path, model: Path | str, output: Path, stage: str, formats=("gptq", "compressed-tensors"),
+                 samples: int = 8, seq_len: int = 64, extra: str = "") -> Path:
+    path.write_text(
+        f"model: {model}\n"
+        "dtype: float32\n"
+        "device: cpu\n"
+        f"calibration: {{dataset: wikitext2, num_samples: {samples}, seq_len: {seq_len}, seed: 0}}\n"
+        f"stages:\n  - {stage}\n"
+        f"export: {{output: {output}, formats: [{', '.join(formats)}]{extra}}}\n"
+    )
+    return path
