@@ -144,7 +144,7 @@ def quantize(
     prefix, targets, info = plan(model, stage, formats)
     result = QuantResult({}, info)
     if stage.name == "rtn":
-        with report.timed("rtn"):
+        with report.timed("rtn"), torch.no_grad():
             for name, module in targets.items():
                 qw = rtn_quantize(module.weight.data, info.spec)
                 deq = qw.dequantize(module.weight.dtype)

@@ -8,6 +8,7 @@ quantize every weight that reads the same input -- q/k/v or gate/up share it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 
@@ -81,48 +82,65 @@ class GPTQ:
         self.perm = act_order_permutation(torch.diag(h), spec.span(cols)) if act_order else None
         if self.perm is not None:
             h = h[self.perm][:, self.perm]
-        self.hinv, self.damp = _upper_inverse_cholesky(h, damp, warn)
+        with _one_thread(h.device):  # LAPACK's potri scales badly across CPU threads (10x slower on 2)
+            self.hinv, self.damp = _upper_inverse_cholesky(h, damp, warn)
 
     @torch.no_grad()
     def quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, float]:
         """Returns the quantized weight (original column order) and GPTQ's loss Σ (w-q)²/(2·[H⁻¹]ᵢᵢ²)."""
+        with _one_thread(self.hinv.device):  # thousands of tiny ops: CPU threads add only sync overhead
+            return self._quantize(weight)
+
+    def _quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, float]:
         spec, hinv, perm = self.spec, self.hinv, self.perm
-        w = weight.to(hinv.device, torch.float32, copy=True)
-        w[:, self.dead] = 0
+        # Work on Wᵀ: a weight column is then a contiguous row, and the rank-1 updates are BLAS ger calls.
+        wt = weight.T.to(hinv.device, torch.float32, copy=True, memory_format=torch.contiguous_format)
+        wt[self.dead] = 0
         if perm is not None:
-            w = w[:, perm]
-        rows, cols = w.shape
+            wt = wt[perm]
+        cols, rows = wt.shape
         span = spec.span(cols)
-        codes = torch.zeros_like(w)
-        scale = torch.empty(rows, spec.groups(cols), device=w.device)
+        codes = torch.empty_like(wt)
+        scale = torch.empty(spec.groups(cols), rows, device=wt.device)
         zero = torch.empty_like(scale)
-        losses = torch.zeros(rows, device=w.device)
+        losses = torch.zeros(rows, device=wt.device)
         s = z = None
         for i1 in range(0, cols, self.block_size):
             i2 = min(i1 + self.block_size, cols)
-            w1, h1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
-            err1 = torch.zeros_like(w1)
+            w1, h1 = wt[i1:i2].clone(), hinv[i1:i2, i1:i2]
+            err1 = torch.empty_like(w1)
             for i in range(i2 - i1):
                 col = i1 + i
                 if col % span == 0:  # a new group starts: grid from its current (error-updated) weights
-                    group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :span]
-                    s, z = find_params(group, spec)
+                    s, z = find_params(torch.cat([w1[i:], wt[i2:]])[:span].T, spec)
                     g = (int(perm[col]) if perm is not None else col) // span
-                    scale[:, g], zero[:, g] = s, z
-                q = quantize_codes(w1[:, i], s, z, spec.maxq)
-                codes[:, col] = q
-                d = h1[i, i]
-                err = (w1[:, i] - (q - z) * s) / d
+                    scale[g], zero[g] = s, z
+                q = quantize_codes(w1[i], s, z, spec.maxq)
+                codes[col] = q
+                err = (w1[i] - (q - z) * s) / h1[i, i]
                 losses += err.square() / 2
-                w1[:, i:] -= err[:, None] * h1[i, i:][None, :]
-                err1[:, i] = err
-            w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+                w1[i + 1 :].addr_(h1[i, i + 1 :], err, alpha=-1)
+                err1[i] = err
+            wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)  # lazy batch update of the remaining columns
         if perm is not None:
-            codes = codes[:, torch.argsort(perm)]
+            codes = codes[torch.argsort(perm)]
         qw = QuantizedWeight(
-            codes=codes.to(torch.uint8).cpu(),
-            scale=scale.to(SCALE_DTYPE).cpu(),
-            zero=zero.to(torch.uint8).cpu(),
+            codes=codes.T.to(torch.uint8).cpu(),
+            scale=scale.T.contiguous().to(SCALE_DTYPE).cpu(),
+            zero=zero.T.contiguous().to(torch.uint8).cpu(),
             spec=spec,
         )
         return qw, float(losses.sum())
+
+
+@contextmanager
+def _one_thread(device: torch.device):
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

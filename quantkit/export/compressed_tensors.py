@@ -24,7 +24,7 @@ def encode_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, to
     # same number, so they pack unchanged.
     t = {
         "weight_packed": packing.pack(qw.codes, qw.spec.bits, dim=1),
-        "weight_scale": qw.scale.to(scale_dtype),
+        "weight_scale": qw.scale.to(scale_dtype).contiguous(),
         "weight_shape": torch.tensor(list(qw.shape), dtype=torch.int64),
     }
     if not qw.spec.sym:

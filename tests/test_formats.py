@@ -1,0 +1,108 @@
+"""Packing round-trips and the two checkpoint layouts, checked against reference readers written
+from the published formats (tests/reference_readers.py), not against quantkit's own unpacker."""
+
+import json
+
+import pytest
+import torch
+
+from quantkit.algorithms.gptq import GPTQ, Hessian
+from quantkit.algorithms.grid import GridSpec
+from quantkit.algorithms.rtn import rtn_quantize
+from quantkit.export import compressed_tensors, gptq, packing
+from quantkit.export.artifact import write_safetensors
+from quantkit.export.base import QuantInfo
+from reference_readers import read_compressed_tensors, read_gptq
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_dense_packing_round_trips(bits, dim):
+    shape = (64, 96) if dim == 0 else (96, 64)
+    values = torch.randint(0, 2**bits, shape, generator=torch.Generator().manual_seed(bits))
+    packed = packing.pack(values, bits, dim)
+    assert packed.dtype == torch.int32 and packed.shape[dim] == 64 * bits // 32
+    assert torch.equal(packing.unpack(packed, bits, 64, dim), values)
+
+
+def test_packing_matches_compressed_tensors_library():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    for bits in (4, 8):
+        codes = torch.randint(0, 2**bits, (24, 80))
+        signed = (codes - 2 ** (bits - 1)).to(torch.int8)
+        assert torch.equal(packing.pack(codes, bits, 1), pack_to_int32(signed, bits))
+        assert torch.equal(packing.pack(codes, bits, 0), pack_to_int32(signed, bits, packed_dim=0))
+
+
+def test_gptq_4bit_word_layout_by_hand():
+    codes = torch.arange(8).repeat(4, 1).T  # [in=8, out=4]: column o holds 0..7
+    word = int(packing.pack(codes, 4, dim=0)[0, 0]) & 0xFFFFFFFF
+    assert word == 0x76543210  # value j at bits 4j, lowest first
+
+
+def quantized(spec: GridSpec, act_order: bool, out=64, cols=128):
+    g = torch.Generator().manual_seed(spec.bits * 7 + spec.group_size + act_order)
+    w = torch.randn(out, cols, generator=g)
+    h = Hessian(cols)
+    h.add(torch.randn(512, cols, generator=g) * torch.linspace(0.1, 3, cols))
+    return GPTQ(h.value(), spec, act_order=act_order).quantize(w)[0]
+
+
+COMBOS = [(GridSpec(b, g, s), a) for b in (2, 3, 4, 8) for g in (-1, 32, 64, 128) for s in (True, False)
+          for a in (False, True)]
+
+
+def same(a, b):
+    return torch.equal(a.codes, b.codes) and torch.equal(a.zero, b.zero) and torch.equal(a.scale.half(), b.scale.half())
+
+
+@pytest.mark.parametrize("spec, act_order", COMBOS, ids=lambda x: str(x))
+def test_formats_round_trip_bit_exact_and_agree_with_reference_readers(tmp_path, spec, act_order):
+    qw = quantized(spec, act_order)
+    info = QuantInfo("gptq", spec, act_order=act_order, damp=0.01)
+    expected = qw.dequantize()
+    enc = gptq.encode({"m.proj": qw}, info)
+    parts = {k.split(".", 2)[2]: v for k, v in enc.tensors.items()}
+    assert same(gptq.decode_module(parts, enc.quantization_config), qw)
+    folder = tmp_path / "gptq"
+    folder.mkdir()
+    write_safetensors(folder, enc.tensors, 1 << 30)
+    (folder / "config.json").write_text(json.dumps({"quantization_config": enc.quantization_config}))
+    assert torch.equal(read_gptq(str(folder))["m.proj"], expected)
+    if spec.bits in (4, 8):
+        enc = compressed_tensors.encode({"m.proj": qw}, info, torch.float32)
+        parts = {k.split(".", 2)[2]: v for k, v in enc.tensors.items()}
+        assert same(compressed_tensors.decode_module(parts, enc.quantization_config), qw)
+        folder = tmp_path / "ct"
+        folder.mkdir()
+        write_safetensors(folder, enc.tensors, 1 << 30)
+        (folder / "config.json").write_text(json.dumps({"quantization_config": enc.quantization_config}))
+        assert torch.equal(read_compressed_tensors(str(folder))["m.proj"], expected)
+
+
+def test_gptq_zero_point_convention():
+    spec = GridSpec(4, 32, sym=False)
+    w = torch.randn(32, 64)
+    w[:, :32] = w[:, :32].abs() + 0.1  # an all-positive group: asymmetric zero point 0
+    qw = rtn_quantize(w, spec)
+    assert int(qw.zero.min()) == 0
+    assert gptq.checkpoint_format({"a": qw}) == "gptq_v2"  # v1 stores zero-1 and cannot hold 0
+    sym = rtn_quantize(w, GridSpec(4, 32, sym=True))
+    assert gptq.checkpoint_format({"a": sym}) == "gptq"
+    stored = packing.unpack(gptq.encode_module(sym, "gptq")["qzeros"], 4, 32, dim=1)
+    assert torch.all(stored == 7)  # symmetric 4-bit zero 8, stored as 7 in v1
+
+
+def test_compressed_tensors_asym_decompresses_with_the_library():
+    """compressed-tensors' own decompressor (an independent implementation) on our asym layout."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    spec = GridSpec(4, 32, sym=False)
+    qw = quantized(spec, act_order=False)
+    enc = compressed_tensors.encode({"m": qw}, QuantInfo("gptq", spec), torch.float32)
+    scheme = QuantizationScheme.model_validate(enc.quantization_config["config_groups"]["group_0"])
+    parts = {k.split(".", 1)[1]: v for k, v in enc.tensors.items()}
+    out = PackedQuantizationCompressor.decompress(parts, scheme)
+    assert torch.equal(out["weight"].float(), qw.dequantize())
