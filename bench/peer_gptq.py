@@ -186,6 +186,7 @@ def run_measured(cmd: list[str], log_path: Path, env: dict, nice: int) -> dict:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"$ {' '.join(cmd)}  (log: {log_path})")
     preexec = (lambda: os.nice(nice)) if nice else None
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -199,7 +200,9 @@ def run_measured(cmd: list[str], log_path: Path, env: dict, nice: int) -> dict:
     wall = time.perf_counter() - t0
     proc.returncode = rc = os.waitstatus_to_exitcode(status)
     res = {"rc": rc, "wall_s": round(wall, 2), "peak_rss_mb": round(ru.ru_maxrss / 1024, 1),
-           "cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "log": str(log_path)}
+           "cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "log": str(log_path),
+           # 1-min load average around the run: above ~2 on 2 cores, other work shared the CPUs.
+           "loadavg_before": round(load_before, 2), "loadavg_after": round(os.getloadavg()[0], 2)}
     if rc != 0:
         tail = log_path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()[-15:]
         log(f"FAILED rc={rc}; last lines of {log_path}:\n    " + "\n    ".join(tail))
@@ -360,15 +363,21 @@ def fmt(v, spec: str) -> str:
 
 
 def table(results: dict, tools: list[str]) -> str:
-    lines = ["| tool | wall s | peak RSS MB | ppl |", "| --- | ---: | ---: | ---: |"]
+    lines = ["| tool | wall s | peak RSS MB | ppl | cpu s |", "| --- | ---: | ---: | ---: | ---: |"]
     for tool in tools:
         r = results.get(tool, {})
         q, e = r.get("quantize") or {}, r.get("eval") or {}
         ok = q.get("rc") == 0
         wall = fmt(q.get("wall_s"), ".1f") if ok else ("failed" if q else "")
         rss = fmt(q.get("peak_rss_mb"), ".0f") if ok else ""
+        cpu = fmt(q.get("cpu_s"), ".0f") if ok else ""
         ppl = fmt(e.get("ppl"), ".3f") if e.get("rc") == 0 else ("eval failed" if e else "")
-        lines.append(f"| {tool} | {wall} | {rss} | {ppl} |")
+        lines.append(f"| {tool} | {wall} | {rss} | {ppl} | {cpu} |")
+    scored = sorted({(e.get("eval_json") or {}).get("tokens_scored") for t in tools
+                     for e in [results.get(t, {}).get("eval") or {}]} - {None})
+    if scored:
+        lines.append(f"\nppl: `quantkit eval` on wikitext2 test, tokens scored: {', '.join(map(str, scored))}"
+                     + (" (DIFFERENT across rows: not comparable)" if len(scored) > 1 else ""))
     return "\n".join(lines)
 
 
@@ -421,7 +430,7 @@ def output_folder(tool: str, args, model_dir: Path) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     env = child_env(args)
     results_path = args.out_dir / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}

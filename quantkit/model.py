@@ -69,6 +69,7 @@ def load_model(spec: str, dtype: str = "auto") -> Loaded:
     # GGUF tensors are dequantized to float32; HF folders keep their stored dtype under "auto".
     want = torch_dtype(dtype) if (dtype != "auto" or gguf) else "auto"
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # quantkit prints its own progress
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=want, low_cpu_mem_usage=True, **kwargs)

@@ -72,6 +72,10 @@ def load(path: str, dtype: str = "auto") -> Loaded:
         return load_model(path, dtype)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
     folder = Path(path)
     raw = json.loads((folder / "config.json").read_text())

@@ -32,14 +32,9 @@ def encode_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, to
     return t
 
 
-def _weights_args(qcfg: dict, name: str) -> dict:
-    for group in qcfg["config_groups"].values():
-        return group["weights"]  # quantkit writes one group; readers of others' files see the first
-    raise KeyError(name)
-
-
-def decode_module(t: dict[str, torch.Tensor], qcfg: dict, name: str = "") -> QuantizedWeight:
-    w = _weights_args(qcfg, name)
+def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
+    # quantkit (and llm-compressor's W4A16 presets) write a single config group targeting Linear
+    w = next(iter(qcfg["config_groups"].values()))["weights"]
     bits, sym = int(w["num_bits"]), bool(w["symmetric"])
     out, cols = (int(x) for x in t["weight_shape"])
     scale = t["weight_scale"]
