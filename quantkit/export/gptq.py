@@ -5,9 +5,11 @@ Per quantized Linear `<m>`:
   <m>.qzeros   int32 [groups, out*bits/32] zero points packed along the output dim
   <m>.scales   fp16  [groups, out]
   <m>.g_idx    int32 [in]                 group of each input column (col // group_size here)
-Zero points: format v1 (`gptq`, what vLLM reads) stores zero-1; it cannot hold a true zero of 0, which
-asymmetric grids can produce, so such artifacts are written as `gptq_v2` (stores zero as is; GPTQModel
-and transformers read it). Symmetric grids (zero = 2^(bits-1)) are always v1.
+Zero points: format v1 (`gptq`) stores zero-1 and cannot hold a true zero of 0, which asymmetric grids
+produce; GPTQModel (and so transformers) also refuses asymmetric v1 from other producers, since old
+AutoGPTQ wrote it wrongly. So symmetric grids (zero = 2^(bits-1)) are written as v1, which every loader
+reads, and asymmetric ones as `gptq_v2` (zero stored as is), which GPTQModel, transformers and vLLM
+(since PR #26092) read.
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ MARKER = "qweight"
 
 
 def checkpoint_format(qweights: dict[str, QuantizedWeight]) -> str:
-    if all(int(qw.zero.min()) >= 1 for qw in qweights.values()):
-        return "gptq"
-    return "gptq_v2"
+    return "gptq" if all(qw.spec.sym for qw in qweights.values()) else "gptq_v2"
 
 
 def encode_module(qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
