@@ -182,7 +182,9 @@ def worker_main(argv: list[str]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 def run_measured(cmd: list[str], log_path: Path, env: dict, nice: int) -> dict:
-    """Run one child to completion; wall seconds and its own peak RSS via wait4 (like GNU time -v)."""
+    """Run one child to completion; wall seconds and its own peak RSS via wait4 (like GNU time -v).
+
+    Children run in the logs folder: GPTQModel writes ./logs/gptq_log_*.log into its working directory."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"$ {' '.join(cmd)}  (log: {log_path})")
     preexec = (lambda: os.nice(nice)) if nice else None
@@ -190,7 +192,7 @@ def run_measured(cmd: list[str], log_path: Path, env: dict, nice: int) -> dict:
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, preexec_fn=preexec)
+                                env=env, preexec_fn=preexec, cwd=log_path.parent)
         try:
             _, status, ru = os.wait4(proc.pid, 0)
         except BaseException:
