@@ -296,7 +296,7 @@ def write_recipe(args, model_dir: Path) -> Path:
         "model": str(model_dir), "dtype": "float32", "device": "cpu",
         "calibration": {"dataset": str(args.calib_data), "num_samples": args.samples,
                         "seq_len": args.seq_len, "seed": args.seed},
-        "stages": [{"gptq": {"bits": args.bits, "group_size": args.group_size, "sym": True, "act_order": False,
+        "stages": [{"gptq": {"bits": args.bits, "group_size": args.group_size, "sym": True, "act_order": args.quantkit_act_order,
                              "damp": args.damp, "block_size": args.block_size, "ignore": ["lm_head"]}}],
         "export": {"output": str(args.out_dir / "quantkit"), "formats": ["compressed-tensors"]},
     }
@@ -405,6 +405,8 @@ def parse_args(argv):
                                       "else this python -m quantkit.cli)")
     p.add_argument("--llmc-actorder", default="none", choices=["none", "static", "weight", "group"],
                    help="llm-compressor GPTQModifier.actorder (its own default is static)")
+    p.add_argument("--quantkit-act-order", action="store_true",
+                   help="quantkit act_order: true (its group-aware ordering, static groups, trivial g_idx)")
     p.add_argument("--gptqmodel-match", action="store_true",
                    help="GPTQModel with damp_percent=--damp and act_group_aware=False instead of its defaults "
                         "(damp_percent 0.05, act_group_aware True)")
