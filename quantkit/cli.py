@@ -70,7 +70,7 @@ def quantize(recipe_path: str, overwrite: bool, quiet: bool, json_out: str | Non
         with report.timed("calibration"):
             calib = calibration.build(loaded.tokenizer, recipe.calibration)
         report.info(f"calibration: {tuple(calib.tokens.shape)} tokens from {calib.source} (sha256 {calib.sha256[:12]})")
-    with report.timed(recipe.stage.name):
+    with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
         result = pipeline.quantize(loaded.model, recipe.stage, calib, device, recipe.export.formats, report)
     dtype = torch_dtype(recipe.export.dtype, loaded.model.dtype)
     manifest = {
