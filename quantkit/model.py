@@ -4,7 +4,6 @@ its decoder blocks and their Linear layers from the module structure."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,12 +76,9 @@ def load_model(spec: str, dtype: str = "auto") -> Loaded:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise QuantkitError(f"model: cannot load {spec}: {first}") from None
     model.eval()
-    if getattr(model.config, "quantization_config", None) is not None and gguf:
-        del model.config.quantization_config  # GGUF weights arrive dequantized; the source format is history
+    if gguf:  # GGUF weights arrive dequantized; the source format is history, not a quantization config
         model.config.__dict__.pop("quantization_config", None)
-    if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
-    logging.getLogger(__name__).debug("loaded %s", spec)
     return Loaded(model, tokenizer, spec)
 
 

@@ -27,7 +27,7 @@ from .errors import QuantkitError
 from .export.base import QuantInfo
 from .model import block_linears, check_supported, decoder_blocks, matches
 from .progress import Reporter, fmt_eta
-from .recipe import FORMAT_BITS, Stage
+from .recipe import Stage
 
 
 @dataclass
@@ -66,7 +66,6 @@ def plan(model: nn.Module, stage: Stage, formats: list[str]) -> tuple[str, dict[
                         f"export.formats: {fmt} cannot pack {args.bits}-bit {name} ({dim}={size} is not a "
                         f"multiple of {32 // math.gcd(32, args.bits)})"
                     )
-    assert all(args.bits in FORMAT_BITS[f] for f in formats)
     unquantized = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in targets)
     info = QuantInfo(
         method=stage.name,
@@ -219,4 +218,3 @@ def _gptq(model, stage, calib, device, prefix, targets, result: QuantResult, rep
         )
         report.info(f"block {i + 1}/{len(blocks)}  {time.perf_counter() - t0:5.1f} s  "
                     f"ETA {fmt_eta(eta)}  loss {losses}")
-    result.timings = dict(report.timings)
