@@ -2,6 +2,9 @@
 PY ?= python3
 RECIPE ?= recipes/smollm2-135m-gptq-w4a16.yaml
 OUT ?= out/smollm2-135m-gptq-w4a16
+# the first 16 x 2048-token windows of WikiText-2 test (a full-test eval takes 15-30 min on 2 cores); EVAL_TOKENS= for all
+EVAL_TOKENS ?= 32768
+EVAL_LIMIT = $(if $(EVAL_TOKENS),--max-tokens $(EVAL_TOKENS))
 STAMP := .setup.stamp
 
 .PHONY: help setup test test-fast demo quantize eval clean
@@ -29,8 +32,8 @@ quantize: setup  ## quantize RECIPE (default: SmolLM2-135M GPTQ W4A16 g64)
 	quantkit quantize $(RECIPE) --overwrite
 
 eval: setup  ## WikiText-2 perplexity of the demo artifact (both formats) and of the original
-	quantkit eval $(OUT)/compressed-tensors --dataset wikitext2 --json $(OUT)/ppl-compressed-tensors.json
-	quantkit eval $(OUT)/gptq --dataset wikitext2 --json $(OUT)/ppl-gptq.json
+	quantkit eval $(OUT)/compressed-tensors --dataset wikitext2 $(EVAL_LIMIT) --json $(OUT)/ppl-compressed-tensors.json
+	quantkit eval $(OUT)/gptq --dataset wikitext2 $(EVAL_LIMIT) --json $(OUT)/ppl-gptq.json
 
 demo: quantize eval  ## set up, quantize the bundled model and measure the artifact's perplexity
 
