@@ -58,17 +58,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def quiet_transformers() -> None:
+    """quantkit prints its own progress: silence transformers' warnings and loading bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def load_model(spec: str, dtype: str = "auto") -> Loaded:
     """Loads on CPU; the pipeline moves one block at a time to the compute device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     folder, gguf = resolve_model_path(spec)
     kwargs = {"gguf_file": gguf} if gguf else {}
     # GGUF tensors are dequantized to float32; HF folders keep their stored dtype under "auto".
     want = torch_dtype(dtype) if (dtype != "auto" or gguf) else "auto"
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # quantkit prints its own progress
+    quiet_transformers()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=want, low_cpu_mem_usage=True, **kwargs)

@@ -17,7 +17,7 @@ from torch import nn
 from .errors import QuantkitError
 from .export import compressed_tensors, gptq
 from .export.base import split_by_module
-from .model import Loaded, load_model, torch_dtype
+from .model import Loaded, load_model, quiet_transformers, torch_dtype
 
 DECODERS = {
     "gptq": (gptq.MARKER, gptq.decode_module),
@@ -72,10 +72,8 @@ def load(path: str, dtype: str = "auto") -> Loaded:
         return load_model(path, dtype)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
 
     folder = Path(path)
     raw = json.loads((folder / "config.json").read_text())
