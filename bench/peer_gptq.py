@@ -354,7 +354,7 @@ def eval_output(tool: str, folder: Path, args, env) -> dict:
     res = run_measured(cmd, args.out_dir / "logs" / f"{tool}.eval.log", env, args.nice)
     if res["rc"] == 0 and ejson.is_file():
         body = json.loads(ejson.read_text())
-        res["ppl"] = body.get("ppl")
+        res["ppl"] = (body.get("ppl") or {}).get("model")
         res["eval_json"] = body
     res["max_tokens"] = args.max_eval_tokens
     return res

@@ -1,4 +1,4 @@
-"""quantkit command line: `quantkit quantize RECIPE`, `quantkit eval MODEL`."""
+"""quantkit command line: `quantkit quantize RECIPE`, `quantkit eval MODEL`, `quantkit report A B ...`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .progress import Reporter
 
 def package_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for pkg in ("quantkit", "torch", "transformers", "safetensors", "compressed-tensors"):
+    for pkg in ("quantkit", "torch", "transformers", "safetensors", "compressed-tensors", "lm-eval"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -100,34 +100,119 @@ def quantize(recipe_path: str, overwrite: bool, quiet: bool, json_out: str | Non
     })
 
 
+def eval_options(fn):
+    """Options shared by `eval` and `report` (one evaluation per model, same settings for all)."""
+    opts = [
+        click.option("--base", metavar="ORIGINAL", help="The original model: adds KLD / top-token / Δp, task ratios "
+                     "and generation agreement. Its results are cached on disk."),
+        click.option("--dataset", default="wikitext2", show_default=True,
+                     help="wikitext2 (bundled test split) or a .txt/.raw/.jsonl/.parquet file."),
+        click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=2)),
+        click.option("--max-tokens", type=click.IntRange(min=2), help="Evaluate only the first N tokens."),
+        click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
+        click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"])),
+        click.option("--tasks", help="lm-eval tasks, comma separated (bundled offline: wikitext, lambada_openai, "
+                     "arc_easy; other names go to lm-eval's registry)."),
+        click.option("--limit", type=click.IntRange(min=1), help="lm-eval: first N examples per task."),
+        click.option("--num-fewshot", type=click.IntRange(min=0), help="lm-eval: few-shot examples (default 0)."),
+        click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1),
+                     help="lm-eval and generation batch size."),
+        click.option("--kld-top-k", "top_k", default=256, show_default=True, type=click.IntRange(min=1),
+                     help="Base log-probs kept per token (the KLD is exact when this covers the vocabulary)."),
+        click.option("--generation/--no-generation", default=True, show_default=True,
+                     help="Greedy generations of model and base compared (needs --base)."),
+        click.option("--gen-prompts", metavar="FILE", help="JSONL of {\"prompt\": ...} (default: bundled 16 prompts)."),
+        click.option("--gen-tokens", default=64, show_default=True, type=click.IntRange(min=1)),
+        click.option("--cache-dir", metavar="DIR", help="Base cache (default $QUANTKIT_CACHE or ~/.cache/quantkit)."),
+        click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _options(kw: dict):
+    from .eval.runner import EvalOptions
+    from .eval.tasks import parse_tasks
+
+    return EvalOptions(base=kw["base"], dataset=kw["dataset"], seq_len=kw["seq_len"], max_tokens=kw["max_tokens"],
+                       dtype=kw["dtype"], device=kw["device"], tasks=parse_tasks(kw["tasks"]), limit=kw["limit"],
+                       num_fewshot=kw["num_fewshot"], batch_size=kw["batch_size"], top_k=kw["top_k"],
+                       generation=kw["generation"], gen_prompts=kw["gen_prompts"], gen_tokens=kw["gen_tokens"],
+                       cache_dir=kw["cache_dir"])
+
+
+def _summary_line(body: dict) -> str:
+    line = f"{body['model']}: {body['dataset']} perplexity {body['ppl']['model']:.4f}"
+    if body.get("kld"):
+        line += (f" (base {body['ppl']['base']:.4f}); KLD {body['kld']['mean']:.5f} ± {body['kld']['stderr']:.5f}, "
+                 f"p99 {body['kld']['p99']:.4f}; same top {100 * body['same_top']:.2f} %")
+    for t, v in (body.get("tasks") or {}).items():
+        for m in ("acc", "word_perplexity"):
+            if m in v["model"]:
+                base = v.get("base", {}).get(m)
+                line += f"; {t} {m} {v['model'][m]:.4f}" + (f" (base {base:.4f})" if base is not None else "")
+    if body.get("generation"):
+        line += f"; generation agreement {100 * body['generation']['token_agreement']:.1f} %"
+    return line
+
+
 @cli.command("eval")
 @click.argument("model_path", metavar="MODEL")
-@click.option("--dataset", default="wikitext2", show_default=True, help="wikitext2 (bundled test split) or a text file.")
-@click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=2))
-@click.option("--max-tokens", type=click.IntRange(min=2), help="Evaluate only the first N tokens.")
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
-@click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]))
-@click.option("--quiet", is_flag=True)
-@click.option("--json", "json_out", metavar="FILE")
-def eval_cmd(model_path, dataset, seq_len, max_tokens, dtype, device, quiet, json_out) -> None:
-    """Token perplexity of a model or artifact (GPTQ-style non-overlapping windows)."""
-    from . import runtime
-    from .eval.perplexity import eval_tokens, perplexity
-    from .model import pick_device
+@eval_options
+@click.option("--json", "json_out", metavar="FILE", help="Write the results (stable keys) here.")
+@click.option("--markdown", "md_out", metavar="FILE", help="Write a markdown report here.")
+def eval_cmd(model_path, json_out, md_out, **kw) -> None:
+    """Perplexity of a model or artifact; with --base, its distribution shift, task scores and generations
+    side by side with the original's."""
+    from .eval.report import markdown
+    from .eval.runner import evaluate
 
-    report = Reporter(quiet)
-    dev = pick_device(device)
-    with report.timed("load"):
-        loaded = runtime.load(model_path, dtype)
-    loaded.model.to(dev)
-    ids = eval_tokens(loaded.tokenizer, dataset, max_tokens)
-    result = perplexity(loaded.model, ids, seq_len, report, dev)
-    bos = loaded.tokenizer.bos_token_id is not None and int(ids[0]) == loaded.tokenizer.bos_token_id
-    body = {"model": model_path, "dataset": dataset, "format": runtime.artifact_format(model_path) or "float",
-            "bos_prepended": bos, **result, "ppl": round(result["ppl"], 4)}
-    click.echo(f"{model_path}: {dataset} perplexity {result['ppl']:.4f} "
-               f"({result['windows']} windows x {seq_len} tokens, {result['seconds']:.0f} s)")
+    o = _options(kw)
+    if o.generation and not o.base and kw["gen_prompts"]:
+        raise QuantkitError("--gen-prompts: generation agreement needs --base")
+    body = evaluate(model_path, o, Reporter(kw["quiet"]))
+    body["versions"] = package_versions()
+    click.echo(_summary_line(body))
     write_json(json_out, body)
+    if md_out:
+        Path(md_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(md_out).write_text(markdown([body]) + "\n")
+
+
+@cli.command()
+@click.argument("items", nargs=-1, required=True, metavar="ARTIFACT_OR_JSON...")
+@eval_options
+@click.option("--out", "out_dir", required=True, metavar="DIR", help="Folder for report.md, report.json and PNGs.")
+def report(items, out_dir, **kw) -> None:
+    """Compare several artifacts in one table and plots. Each item is an artifact/model (evaluated here with
+    the options given) or a JSON written by `quantkit eval --json`."""
+    from .eval.report import markdown, plots
+    from .eval.runner import evaluate
+
+    o = _options(kw)
+    rep = Reporter(kw["quiet"])
+    bodies = []
+    for item in items:
+        if item.endswith(".json"):
+            try:
+                body = json.loads(Path(item).read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise QuantkitError(f"{item}: not a readable quantkit eval JSON ({err})") from None
+            if "ppl" not in body or "size_bytes" not in body:
+                raise QuantkitError(f"{item}: not a quantkit eval JSON (no 'ppl' / 'size_bytes')")
+        else:
+            rep.info(f"== {item}")
+            body = evaluate(item, o, rep)
+        bodies.append(body)
+        click.echo(_summary_line(body))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown(bodies) + "\n")
+    write_json(str(out / "report.json"), {"results": bodies, "versions": package_versions()})
+    for png in plots(bodies, out):
+        rep.info(f"wrote {png}")
+    click.echo(f"report: {out / 'report.md'}")
 
 
 def main() -> None:

@@ -105,8 +105,8 @@ def test_eval_gives_the_same_perplexity_for_both_formats(artifacts, tiny_llama, 
         out = artifacts / f"ppl-{name}.json"
         assert run_cli(monkeypatch, "eval", path, "--seq-len", 128, "--max-tokens", 1024, "--quiet", "--json", out) == 0
         body = json.loads(out.read_text())
-        assert body["windows"] == 8 and body["tokens_scored"] == 8 * 127
-        ppl[name] = body["ppl"]
+        assert body["windows"] == 8 and body["tokens"] == 8 * 127
+        ppl[name] = body["ppl"]["model"]
     assert ppl["gptq"] == ppl["ct"]
     assert abs(ppl["gptq"] / ppl["float"] - 1) < 0.05  # 4-bit g32 on a random tiny model barely moves
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +23,32 @@ def eval_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch
     return ids[:max_tokens] if max_tokens else ids
 
 
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, seq_len: int, report: Reporter, device: str | torch.device = "cpu") -> dict:
+def num_windows(ids: torch.Tensor, seq_len: int) -> int:
     windows = ids.numel() // seq_len
     if windows == 0:
         raise QuantkitError(f"--seq-len: {seq_len} is longer than the {ids.numel()} evaluation tokens")
+    return windows
+
+
+@torch.no_grad()
+def window_logits(model, ids: torch.Tensor, seq_len: int, report: Reporter, label: str,
+                  device: str | torch.device = "cpu") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Yields (window index, logits [seq_len-1, V] on CPU-or-device, next-token targets [seq_len-1])."""
+    for i in report.steps(label, num_windows(ids, seq_len)):
+        window = ids[i * seq_len : (i + 1) * seq_len].unsqueeze(0).to(device)
+        yield i, model(input_ids=window, use_cache=False).logits[0, :-1], window[0, 1:]
+
+
+def perplexity(model, ids: torch.Tensor, seq_len: int, report: Reporter, device: str | torch.device = "cpu") -> dict:
     start = time.perf_counter()
     nll, count = 0.0, 0
-    for i in report.steps("ppl window", windows):
-        window = ids[i * seq_len : (i + 1) * seq_len].unsqueeze(0).to(device)
-        logits = model(input_ids=window, use_cache=False).logits[0, :-1].float()
-        nll += float(F.cross_entropy(logits, window[0, 1:], reduction="sum"))
-        count += seq_len - 1
+    for _, logits, targets in window_logits(model, ids, seq_len, report, "ppl window", device):
+        nll += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+        count += targets.numel()
     return {
         "ppl": math.exp(nll / count),
         "nll": nll / count,
-        "windows": windows,
+        "windows": num_windows(ids, seq_len),
         "seq_len": seq_len,
         "tokens_scored": count,
         "seconds": round(time.perf_counter() - start, 2),

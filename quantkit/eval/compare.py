@@ -1,0 +1,53 @@
+"""Distribution shift of a model against its original over the same token windows: the original's
+top-k log-probs come from the on-disk cache (filled by one pass of the original when missing), the
+model is run once, window by window."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import QuantkitError
+from ..model import Loaded
+from ..progress import Reporter
+from . import cache
+from .distribution import BaseTopK, ShiftAccumulator, token_stats
+from .perplexity import eval_tokens, num_windows, window_logits
+
+
+def base_logits_entry(base: str, ids: torch.Tensor, seq_len: int, top_k: int, dtype: str,
+                      device: torch.device, root) -> tuple[cache.LogitCache, dict]:
+    used = ids[: num_windows(ids, seq_len) * seq_len]
+    parts = {
+        "base": cache.model_fingerprint(base), "tokens": cache.tokens_sha256(used), "seq_len": seq_len,
+        "top_k": top_k, "dtype": dtype, "device": device.type,
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+    }
+    return cache.LogitCache(root, cache.key(**parts)), parts
+
+
+def fill_base_cache(entry: cache.LogitCache, parts: dict, base: str, dataset: str, max_tokens: int | None,
+                    ids: torch.Tensor, seq_len: int, top_k: int, device: torch.device, report: Reporter,
+                    loaded: Loaded) -> None:
+    if not torch.equal(eval_tokens(loaded.tokenizer, dataset, max_tokens), ids):
+        raise QuantkitError(f"--base: {base} tokenizes the evaluation text differently from the model "
+                            "(a different tokenizer cannot be compared token by token)")
+    entry.start()
+    try:
+        for i, logits, targets in window_logits(loaded.model, ids, seq_len, report, "base window", device):
+            entry.write(i, BaseTopK.from_logits(logits, targets, top_k).to("cpu"))
+        entry.commit({"key_parts": parts})
+    except BaseException:
+        entry.abort()
+        raise
+
+
+def distribution_shift(model, entry: cache.LogitCache, ids: torch.Tensor, seq_len: int, top_k: int,
+                       device: torch.device, report: Reporter) -> dict:
+    start = time.perf_counter()
+    acc = ShiftAccumulator()
+    for i, logits, targets in window_logits(model, ids, seq_len, report, "model window", device):
+        acc.add(token_stats(entry.read(i).to(logits.device), logits, targets))
+    return acc.summary() | {"windows": num_windows(ids, seq_len), "top_k": top_k,
+                            "base_cache": str(entry.folder), "seconds": round(time.perf_counter() - start, 2)}

@@ -1,0 +1,140 @@
+"""Markdown tables and PNG plots from `quantkit eval` results (the JSON dicts runner.evaluate returns)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _f(x, digits=4) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _name(body: dict) -> str:
+    return body.get("name") or Path(body["model"]).name or body["model"]
+
+
+def _task_metric(scores: dict) -> str | None:
+    for m in ("acc", "word_perplexity", "acc_norm", "perplexity"):
+        if m in scores:
+            return m
+    return next((m for m in scores if not m.endswith("_stderr") and m != "sample_len"), None)
+
+
+def comparison_table(bodies: list[dict]) -> str:
+    """One row per artifact plus the base; tasks as extra columns (model / base)."""
+    task_cols = []
+    for b in bodies:
+        for t, v in (b.get("tasks") or {}).items():
+            m = _task_metric(v["model"])
+            if m and (t, m) not in task_cols:
+                task_cols.append((t, m))
+    head = ["model", "format", "size MB", "PPL", "Δ PPL %", "KLD mean ± se", "KLD p99", "same top %", "Δp rms %",
+            *[f"{t} {m}" for t, m in task_cols], "gen agree %", "gen ROUGE-L"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = next((b for b in bodies if b.get("ppl", {}).get("base") is not None), None)
+    if base:
+        cells = [f"base: {Path(base['base']).name}", "float", "", _f(base["ppl"]["base"]), "0", "0", "0", "100", "0"]
+        cells += [_f(base.get("tasks", {}).get(t, {}).get("base", {}).get(m)) for t, m in task_cols]
+        lines.append("| " + " | ".join(cells + ["100", "1"]) + " |")
+    for b in bodies:
+        ppl, kld, gen = b.get("ppl", {}), b.get("kld"), b.get("generation")
+        rise = 100 * (ppl["model"] / ppl["base"] - 1) if ppl.get("base") else None
+        cells = [_name(b), b["format"], _f(b["size_bytes"] / 1e6, 1), _f(ppl["model"]), _f(rise, 2),
+                 f"{kld['mean']:.5f} ± {kld['stderr']:.5f}" if kld else "—", _f(kld and kld["p99"]),
+                 _f(b.get("same_top") and 100 * b["same_top"], 2),
+                 _f(b.get("delta_p") and 100 * b["delta_p"]["rms"], 3)]
+        cells += [_f(b.get("tasks", {}).get(t, {}).get("model", {}).get(m)) for t, m in task_cols]
+        cells += [_f(gen and 100 * gen["token_agreement"], 1), _f(gen and gen["rouge_l"], 3)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(bodies: list[dict]) -> str:
+    first = bodies[0]
+    parts = ["# quantkit evaluation", "",
+             f"Data: {first['dataset']}, {first.get('windows')} windows × {first['seq_len']} tokens "
+             f"({first.get('tokens')} scored tokens); device {first['device']}; base top-k {first.get('top_k', '—')}.",
+             "", comparison_table(bodies), ""]
+    for b in bodies:
+        tasks = b.get("tasks")
+        if tasks:
+            s = b["tasks_settings"]
+            parts += [f"## Tasks: {_name(b)}", "",
+                      f"lm-eval {s['lm_eval']}, limit {s['limit']}, {s['num_fewshot']}-shot, batch {s['batch_size']}, "
+                      f"max length {s['max_length']}, BOS added: {s['add_bos_token']}, chat template: {s['chat_template']}.",
+                      "", "| task | metric | model | base | ratio |", "|---|---|---|---|---|"]
+            for t, v in tasks.items():
+                for m, val in v["model"].items():
+                    if m.endswith("_stderr") or m == "sample_len":
+                        continue
+                    se = v["model"].get(f"{m}_stderr")
+                    parts.append(f"| {t} | {m} | {_f(val)}{f' ± {se:.4f}' if isinstance(se, float) else ''} | "
+                                 f"{_f(v.get('base', {}).get(m))} | {_f(v.get('ratio', {}).get(m))} |")
+            parts.append("")
+        gen = b.get("generation")
+        if gen:
+            parts += [f"## Generations: {_name(b)}", "",
+                      f"{gen['prompts']} prompts, greedy, {gen['max_new_tokens']} new tokens, chat template "
+                      f"{gen['chat_template']}: token agreement {100 * gen['token_agreement']:.1f} %, identical "
+                      f"{100 * gen['identical']:.0f} %, first divergence at token {gen['first_divergence_mean']:.1f} "
+                      f"on average, ROUGE-L {gen['rouge_l']:.3f}.", ""]
+            for s in gen["samples"]:
+                parts += [f"**Prompt:** {s['prompt']}", "", "| base | model |", "|---|---|",
+                          f"| {_cell(s['base'])} | {_cell(s['model'])} |", ""]
+    return "\n".join(parts)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def plots(bodies: list[dict], out: Path) -> list[Path]:
+    """kld_distribution.png (per-token KLD histogram per artifact, log x) and quality_vs_size.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    with_kld = [b for b in bodies if b.get("kld")]
+    if with_kld:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for b in with_kld:
+            h = b["kld"]["histogram"]
+            edges, counts = h["edges"], h["counts"]
+            total = sum(counts)
+            # bin i lies between edges[i-1] and edges[i]; plot the interior bins at their geometric centres
+            xs = [(edges[i - 1] * edges[i]) ** 0.5 for i in range(1, len(edges))]
+            ax.plot(xs, [c / total for c in counts[1:-1]], marker=".", label=_name(b))
+        ax.set_xscale("log")
+        ax.set_xlabel("per-token KL divergence vs base (nats)")
+        ax.set_ylabel("fraction of tokens")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(out / "kld_distribution.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for b in bodies:
+        mb = b["size_bytes"] / 1e6
+        a1.scatter(mb, b["ppl"]["model"])
+        a1.annotate(_name(b), (mb, b["ppl"]["model"]), fontsize=8)
+        if b.get("kld"):
+            a2.scatter(mb, b["kld"]["mean"])
+            a2.annotate(_name(b), (mb, b["kld"]["mean"]), fontsize=8)
+    base = next((b for b in bodies if b.get("ppl", {}).get("base") is not None), None)
+    if base:
+        a1.axhline(base["ppl"]["base"], ls="--", color="grey", label="base")
+        a1.legend()
+    a1.set_xlabel("weight bytes (MB)")
+    a1.set_ylabel("perplexity")
+    a2.set_xlabel("weight bytes (MB)")
+    a2.set_ylabel("mean KLD vs base (nats)")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    written.append(out / "quality_vs_size.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written

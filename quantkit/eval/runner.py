@@ -1,0 +1,171 @@
+"""`quantkit eval`: everything measured about one model or artifact, as one JSON-able dict.
+
+Order of work: first whatever the original (`base`) still owes the cache (its top-k log-probs, task
+scores, generations), with the original loaded once and freed; then the model, once, for all of it.
+So the two never share memory, and a cached base costs nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+from ..model import pick_device
+from ..progress import Reporter
+from . import cache, generation, tasks
+from .compare import base_logits_entry, distribution_shift, fill_base_cache
+from .perplexity import eval_tokens, perplexity
+
+
+@dataclass
+class EvalOptions:
+    base: str | None = None
+    dataset: str = "wikitext2"
+    seq_len: int = 2048
+    max_tokens: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    tasks: list[str] = field(default_factory=list)
+    limit: int | None = None
+    num_fewshot: int | None = None
+    batch_size: int = 16
+    top_k: int = 256
+    generation: bool = True
+    gen_prompts: str | None = None
+    gen_tokens: int = 64
+    cache_dir: str | None = None
+
+
+def weight_bytes(path: str, model) -> tuple[int, str]:
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if files:
+        return sum(f.stat().st_size for f in files), "safetensors files"
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # tied weights once
+    return sum(seen.values()), "parameters in memory"
+
+
+def _versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+class _Base:
+    """The original model, loaded on first use (only when some cache entry is missing)."""
+
+    def __init__(self, spec: str, o: EvalOptions, device: torch.device):
+        self.spec, self.o, self.device, self.loaded = spec, o, device, None
+
+    def get(self):
+        if self.loaded is None:
+            self.loaded = runtime.load(self.spec, self.o.dtype)
+            self.loaded.model.to(self.device)
+        return self.loaded
+
+    def free(self) -> None:
+        self.loaded = None
+        gc.collect()
+
+
+def _task_entries(o: EvalOptions, root: Path, device: torch.device) -> dict[str, cache.JsonCache]:
+    from importlib.metadata import version
+
+    common = dict(base=cache.model_fingerprint(o.base), limit=o.limit, num_fewshot=o.num_fewshot,
+                  batch_size=o.batch_size, max_length=o.seq_len, dtype=o.dtype, device=device.type,
+                  lm_eval=version("lm-eval"), **_versions())
+    return {t: cache.JsonCache(root, "base-tasks", cache.key(task=t, **common)) for t in o.tasks}
+
+
+def _gen_entry(o: EvalOptions, prompts: list[str], root: Path, device: torch.device) -> cache.JsonCache:
+    parts = dict(base=cache.model_fingerprint(o.base), prompts=hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
+                 gen_tokens=o.gen_tokens, batch_size=o.batch_size, dtype=o.dtype, device=device.type, **_versions())
+    return cache.JsonCache(root, "base-generation", cache.key(**parts))
+
+
+def evaluate(model_path: str, o: EvalOptions, report: Reporter) -> dict:
+    device = pick_device(o.device)
+    root = cache.cache_root(o.cache_dir)
+    start = time.perf_counter()
+    with report.timed("load"):
+        loaded = runtime.load(model_path, o.dtype)
+    ids = eval_tokens(loaded.tokenizer, o.dataset, o.max_tokens)
+    prompts = generation.load_prompts(o.gen_prompts) if (o.base and o.generation) else []
+    size, size_source = weight_bytes(model_path, loaded.model)
+    body = {"model": model_path, "base": o.base, "format": runtime.artifact_format(model_path) or "float",
+            "size_bytes": size, "size_source": size_source, "dataset": o.dataset, "seq_len": o.seq_len,
+            "max_tokens": o.max_tokens, "device": device.type, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "options": asdict(o)}
+
+    base_scores: dict[str, dict] = {}
+    base_gen = None
+    if o.base:  # phase 1: fill what the cache lacks, with the model's own weights not yet on the device
+        base = _Base(o.base, o, device)
+        entry, parts = base_logits_entry(o.base, ids, o.seq_len, o.top_k, o.dtype, device, root)
+        body["base_cache_hit"] = {"logits": entry.complete()}
+        if entry.complete():
+            report.info(f"base logits: cached in {entry.folder}")
+        else:
+            report.info(f"base logits: computing {o.base} once (cached in {entry.folder})")
+            with report.timed("base_logits"):
+                fill_base_cache(entry, parts, o.base, o.dataset, o.max_tokens, ids, o.seq_len, o.top_k, device,
+                                report, base.get())
+        task_entries = _task_entries(o, root, device)
+        missing = [t for t, e in task_entries.items() if e.get() is None]
+        body["base_cache_hit"]["tasks"] = not missing
+        if missing:
+            with report.timed("base_tasks"):
+                b = base.get()
+                result = tasks.run_tasks(b.model, b.tokenizer, missing, o.limit, o.num_fewshot, o.batch_size,
+                                         o.seq_len, str(device), report.quiet)
+            for t in missing:
+                task_entries[t].put({"scores": result["scores"][t], "settings": result["settings"]}, {"task": t})
+        base_scores = {t: e.get()["scores"] for t, e in task_entries.items()}
+        if prompts:
+            gen_entry = _gen_entry(o, prompts, root, device)
+            body["base_cache_hit"]["generation"] = gen_entry.get() is not None
+            if gen_entry.get() is None:
+                with report.timed("base_generation"):
+                    b = base.get()
+                    tokens = generation.greedy(b.model, b.tokenizer, prompts, o.gen_tokens, o.batch_size, device,
+                                               report, "base generation batch")
+                gen_entry.put({"tokens": tokens}, {"prompts": len(prompts)})
+            base_gen = gen_entry.get()["tokens"]
+        base.free()
+
+    loaded.model.to(device)  # phase 2: the model
+    with report.timed("model_logits"):
+        if o.base:
+            body.update(distribution_shift(loaded.model, entry, ids, o.seq_len, o.top_k, device, report))
+        else:
+            ppl = perplexity(loaded.model, ids, o.seq_len, report, device)
+            body.update({"tokens": ppl["tokens_scored"], "windows": ppl["windows"], "ppl": {"model": ppl["ppl"]}})
+    if o.tasks:
+        with report.timed("model_tasks"):
+            result = tasks.run_tasks(loaded.model, loaded.tokenizer, o.tasks, o.limit, o.num_fewshot, o.batch_size,
+                                     o.seq_len, str(device), report.quiet)
+        body["tasks"] = {t: {"model": result["scores"][t]} for t in o.tasks}
+        for t, scores in base_scores.items():
+            body["tasks"][t]["base"] = scores
+            body["tasks"][t]["ratio"] = {m: scores_ratio(result["scores"][t].get(m), v) for m, v in scores.items()
+                                         if not m.endswith("_stderr") and m != "sample_len"}
+        body["tasks_settings"] = result["settings"]
+    if prompts:
+        with report.timed("model_generation"):
+            tokens = generation.greedy(loaded.model, loaded.tokenizer, prompts, o.gen_tokens, o.batch_size, device,
+                                       report, "model generation batch")
+        body["generation"] = generation.compare(base_gen, tokens, loaded.tokenizer, prompts) | {
+            "max_new_tokens": o.gen_tokens, "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None))}
+    body["timings_s"] = dict(report.timings) | {"total": round(time.perf_counter() - start, 2)}
+    return body
+
+
+def scores_ratio(model_value, base_value) -> float | None:
+    if model_value is None or not base_value:
+        return None
+    return model_value / base_value
