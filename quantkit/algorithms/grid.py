@@ -31,6 +31,10 @@ class GridSpec:
         return in_features if self.group_size == -1 else self.group_size
 
 
+# W8A8 int8 weights (llm-compressor's W8A8 preset): per output channel, symmetric; codes - 128 are vLLM's int8
+INT8_CHANNEL = GridSpec(bits=8, group_size=-1, sym=True)
+
+
 @dataclass
 class QuantizedWeight:
     """A quantized Linear weight in original column order; the common input of every exporter."""

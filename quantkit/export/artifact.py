@@ -19,18 +19,20 @@ from torch import nn
 
 from ..errors import QuantkitError
 from . import compressed_tensors, gptq
-from .base import Encoded, QuantInfo, QuantizedWeight
+from .base import Encoded, Fp8Weight, QuantInfo, QuantizedWeight
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "quantkit.json"
 
 
-def encode(fmt: str, qweights: dict[str, QuantizedWeight], info: QuantInfo, dtype: torch.dtype) -> Encoded:
+def encode(fmt: str, qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, dtype: torch.dtype) -> Encoded:
     if fmt == "gptq":
+        if info.activations is not None:
+            raise QuantkitError(f"export.formats: gptq stores weight-only quantization, not {info.activations} W8A8")
         return gptq.encode(qweights, info)
-    # compressed-tensors keeps the scale in the model's float dtype; fp16-rounded values are exact in
-    # float32 and float16 (bfloat16 would round them again, so those models get fp16 scales).
+    # compressed-tensors keeps int scales in the model's float dtype (FP8 scales stay float32); fp16-rounded values
+    # are exact in float32 and float16 (bfloat16 would round them again, so those models get fp16 scales).
     return compressed_tensors.encode(qweights, info, torch.float32 if dtype == torch.float32 else torch.float16)
 
 
@@ -101,7 +103,7 @@ def write_artifact(
     fmt: str,
     model: nn.Module,
     tokenizer,
-    qweights: dict[str, QuantizedWeight],
+    qweights: dict[str, QuantizedWeight | Fp8Weight],
     info: QuantInfo,
     dtype: torch.dtype,
     max_shard_bytes: int,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..algorithms.fp8 import Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
 
 
@@ -14,11 +15,12 @@ class QuantInfo:
     """How the weights were quantized, as the formats' configs need to say it."""
 
     method: str  # gptq | rtn
-    spec: GridSpec
+    spec: GridSpec  # the int grid; unused by FP8 weights
     act_order: bool = False
     damp: float | None = None
     unquantized_linears: list[str] = field(default_factory=list)  # full names of Linear layers left float
     block_linears_prefix: str = "model.layers"  # where the decoder blocks live
+    activations: str | None = None  # None: weight-only; int8 | fp8: W8A8, activations quantized per token at run time
 
 
 @dataclass
@@ -46,4 +48,4 @@ def trivial_g_idx(g_idx: torch.Tensor | None, span: int) -> torch.Tensor | None:
     return g_idx.long()
 
 
-__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "GridSpec", "split_by_module", "trivial_g_idx"]
+__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "GridSpec", "split_by_module", "trivial_g_idx"]

@@ -1,10 +1,14 @@
-"""compressed-tensors `pack-quantized`: the layout llm-compressor writes and vLLM / transformers load.
+"""compressed-tensors: the layouts llm-compressor writes and vLLM / transformers load.
 
-Per quantized Linear `<m>`:
+`pack-quantized` (weight-only int, W4A16 / W8A16), per quantized Linear `<m>`:
   <m>.weight_packed      int32 [out, in*bits/32]  signed codes + 2^(bits-1), packed along the input dim
   <m>.weight_scale       [out, groups]            (channel strategy: [out, 1])
   <m>.weight_zero_point  int32 [out*bits/32, groups]  asymmetric only: signed zero + 2^(bits-1), packed along out
   <m>.weight_shape       int64 [2]
+`int-quantized` (W8A8 int8) and `float-quantized` (W8A8 FP8 e4m3), per quantized Linear `<m>`:
+  <m>.weight        int8 (signed code) | float8_e4m3fn  [out, in]
+  <m>.weight_scale  [out, 1]  (FP8: float32)
+  Activations are quantized per token at run time (dynamic), so no input scale is stored.
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
 
@@ -13,10 +17,15 @@ from __future__ import annotations
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
+from ..algorithms.grid import INT8_CHANNEL
+from ..errors import QuantkitError
 from . import packing
-from .base import Encoded, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
+from .base import Encoded, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
 
-MARKER = "weight_packed"
+PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
+MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
+MARKER = MARKERS[PACKED]
+W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
 
 
 def encode_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -32,7 +41,63 @@ def encode_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, to
     return t
 
 
-def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
+def format_of(qcfg: dict) -> str:
+    fmt = qcfg.get("format") or PACKED
+    if fmt not in MARKERS:
+        raise QuantkitError(f"quantization_config.format: '{fmt}' is not one quantkit reads ({', '.join(MARKERS)})")
+    return fmt
+
+
+def marker(qcfg: dict) -> str:
+    """The tensor suffix that marks a quantized module in a checkpoint of this config's format."""
+    return MARKERS[format_of(qcfg)]
+
+
+def encode_int_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {
+        "weight": (qw.codes.to(torch.int16) - 128).to(torch.int8).contiguous(),  # vLLM's signed int8
+        "weight_scale": qw.scale.to(scale_dtype).reshape(-1, 1).contiguous(),
+    }
+
+
+def encode_float_module(fw: Fp8Weight) -> dict[str, torch.Tensor]:
+    return {"weight": fw.weight.contiguous(), "weight_scale": fw.scale.float().reshape(-1, 1).contiguous()}
+
+
+def _channel_scale(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    # llm-compressor also writes per-tensor scales ([1]) in these formats; vLLM broadcasts them the same way
+    out, scale = t["weight"].shape[0], t["weight_scale"]
+    if scale.numel() not in (1, out):
+        raise QuantkitError(f"weight_scale: {tuple(scale.shape)} is neither per-channel nor per-tensor for {out} rows")
+    if "weight_zero_point" in t:
+        raise QuantkitError("weight_zero_point: asymmetric W8A8 weights are not supported (vLLM runs symmetric ones)")
+    return scale.reshape(-1, 1).expand(out, 1).contiguous()
+
+
+def decode_int_module(t: dict[str, torch.Tensor]) -> QuantizedWeight:
+    q = t["weight"]
+    if q.dtype != torch.int8:
+        raise QuantkitError(f"weight: int-quantized weights are int8, got {q.dtype}")
+    return QuantizedWeight(
+        codes=(q.to(torch.int16) + 128).to(torch.uint8),
+        scale=_channel_scale(t),
+        zero=torch.full((q.shape[0], 1), 128, dtype=torch.uint8),
+        spec=INT8_CHANNEL,
+    )
+
+
+def decode_float_module(t: dict[str, torch.Tensor]) -> Fp8Weight:
+    if t["weight"].dtype != torch.float8_e4m3fn:
+        raise QuantkitError(f"weight: float-quantized weights are float8_e4m3fn, got {t['weight'].dtype}")
+    return Fp8Weight(t["weight"], _channel_scale(t).float())
+
+
+def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight | Fp8Weight:
+    fmt = format_of(qcfg)
+    if fmt == INT:
+        return decode_int_module(t)
+    if fmt == FLOAT:
+        return decode_float_module(t)
     # quantkit (and llm-compressor's W4A16 presets) write a single config group targeting Linear
     w = next(iter(qcfg["config_groups"].values()))["weights"]
     bits, sym = int(w["num_bits"]), bool(w["symmetric"])
@@ -54,7 +119,40 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
     )
 
 
-def encode(qweights: dict[str, QuantizedWeight], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
+def encode_w8a8(qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
+    """int-quantized (int8 weights) or float-quantized (FP8 weights), activations dynamic per token: llm-compressor's
+    W8A8 and FP8_DYNAMIC presets, the schemes vLLM runs as CompressedTensorsW8A8Int8 / CompressedTensorsW8A8Fp8."""
+    fmt = W8A8_FORMATS.get(info.activations)
+    if fmt is None:
+        raise QuantkitError(f"activations: '{info.activations}' is not one of {', '.join(W8A8_FORMATS)}")
+    tensors = {}
+    for name, qw in qweights.items():
+        if fmt == INT and getattr(qw, "spec", None) != INT8_CHANNEL:
+            got = getattr(qw, "spec", type(qw).__name__)
+            raise QuantkitError(f"{name}: int-quantized needs 8-bit symmetric per-channel int weights, got {got}")
+        if fmt == FLOAT and not isinstance(qw, Fp8Weight):
+            raise QuantkitError(f"{name}: float-quantized needs FP8 weights, got {type(qw).__name__}")
+        parts = encode_int_module(qw, scale_dtype) if fmt == INT else encode_float_module(qw)
+        tensors.update({f"{name}.{suffix}": t for suffix, t in parts.items()})
+    kind = "int" if fmt == INT else "float"
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="channel", observer="minmax"),
+        input_activations=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="token", dynamic=True),
+        format=fmt,
+    )
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        ignore=sorted(info.unquantized_linears),
+        format=fmt,
+        quantization_status="compressed",
+    )
+    return Encoded(tensors, config.model_dump(mode="json", exclude_none=False))
+
+
+def encode(qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
+    if info.activations is not None:
+        return encode_w8a8(qweights, info, scale_dtype)
     tensors = {
         f"{name}.{suffix}": t
         for name, qw in qweights.items()

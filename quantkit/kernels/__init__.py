@@ -1,0 +1,1 @@
+"""Quantized execution: Linear layers that compute with the stored low-precision weights."""

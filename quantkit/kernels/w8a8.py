@@ -1,0 +1,145 @@
+"""W8A8 Linear layers: int8 or FP8 weights with per-channel scales, activations quantized per token on the fly.
+
+The arithmetic vLLM runs for compressed-tensors int-quantized / float-quantized checkpoints, in plain torch:
+  int8: a token's scale is max|x| / 127 (vLLM's dynamic per-token int8 quant), codes multiply int8 x int8 -> int32
+        (torch._int_mm, exact), and the int32 sums are rescaled by token scale x channel scale.
+  FP8:  a token's scale is max|x| / 448 (floored at 1/(448·512) as vLLM does), e4m3 x e4m3 through
+        torch._scaled_mm with those row / column scales on CUDA; elsewhere an emulation that dequantizes both
+        operands to float32 and multiplies them.
+Each layer records in `path` which matmul its last forward ran.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..algorithms.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, fp8_quantize
+from ..algorithms.grid import INT8_CHANNEL, QuantizedWeight
+from ..algorithms.rtn import rtn_quantize
+from ..errors import QuantkitError
+
+INT8_MAX = 127
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512)  # vLLM's floor, so an all-zero token does not divide by zero
+
+
+def quantize_tokens_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] -> int8 codes, float32 scales [tokens, 1]; x ≈ codes · scale."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    codes = torch.round(x / torch.where(scale == 0, 1.0, scale)).clamp(-INT8_MAX - 1, INT8_MAX)
+    return codes.to(torch.int8), scale
+
+
+def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] -> float8_e4m3fn values, float32 scales [tokens, 1]; x ≈ values · scale."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def int8_mm_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a int8 [M, K] @ b int8 [K, N] -> int32, in float64: every partial sum is an integer below
+    K·2^14 < 2^53, so it is exact on any device."""
+    return (a.double() @ b.double()).to(torch.int32)
+
+
+def _int_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "cpu":
+        return True  # the CPU kernel takes any shape
+    # cuBLASLt's int8 GEMM (torch's _int_mm_out_cuda checks): M > 16, K and N multiples of 8
+    return a.device.type == "cuda" and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """a int8 [M, K] @ b int8 [K, N] -> exact int32 [M, N], and which path ran ('_int_mm' or 'float64')."""
+    if _int_mm_takes(a, b):
+        return torch._int_mm(a, b), "_int_mm"
+    return int8_mm_exact(a, b), "float64"
+
+
+def _scaled_mm_takes(q: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
+    # Row-wise scaled FP8 GEMM: SM89+, K and N multiples of 16, and bf16 output (the only output dtype every
+    # torch release and GPU accepts for row-wise scales). Other dtypes run the emulation.
+    return (
+        q.is_cuda
+        and dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(q.device) >= (8, 9)
+        and q.shape[1] % 16 == 0
+        and w.shape[0] % 16 == 0
+    )
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight.to(torch.int8).contiguous())  # [out, in]
+        self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())  # [1, out]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.path: str | None = None
+
+    @classmethod
+    def from_weights(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> Int8Linear:
+        if qw.spec != INT8_CHANNEL:
+            raise QuantkitError(f"weight: Int8Linear needs 8-bit symmetric per-channel codes, got {qw.spec}")
+        return cls(qw.codes.to(torch.int16) - 128, qw.scale, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        return cls.from_weights(rtn_quantize(linear.weight.detach(), INT8_CHANNEL), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        codes, token_scale = quantize_tokens_int8(x.reshape(-1, x.shape[-1]))
+        acc, self.path = int8_mm(codes, self.weight.t())
+        out = acc.float() * token_scale * self.weight_scale
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*lead, -1)
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight.to(FP8_DTYPE).contiguous())  # [out, in]
+        self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())  # [1, out]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.path: str | None = None
+
+    @classmethod
+    def from_weights(cls, fw: Fp8Weight, bias: torch.Tensor | None = None) -> Fp8Linear:
+        return cls(fw.weight, fw.scale, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        return cls.from_weights(fp8_quantize(linear.weight.detach()), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, token_scale = quantize_tokens_fp8(x.reshape(-1, x.shape[-1]))
+        if _scaled_mm_takes(q, self.weight, x.dtype):
+            out = torch._scaled_mm(
+                q, self.weight.t(), scale_a=token_scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16
+            ).float()
+            self.path = "_scaled_mm"
+        else:
+            out = (q.float() * token_scale) @ (self.weight.float() * self.weight_scale.t()).t()
+            self.path = "emulated"
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*lead, -1)
+
+
+def swap_w8a8_linears(model: nn.Module, qweights: dict[str, QuantizedWeight | Fp8Weight]) -> None:
+    """Replace each named nn.Linear by the W8A8 layer for its quantized weight (int8 codes or FP8), in place;
+    the bias and the device are kept."""
+    for name, qw in qweights.items():
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            raise QuantkitError(f"{name}: not an nn.Linear ({type(linear).__name__})")
+        if tuple(qw.shape) != tuple(linear.weight.shape):
+            raise QuantkitError(f"{name}: quantized weight {tuple(qw.shape)} does not fit {tuple(linear.weight.shape)}")
+        kind = Fp8Linear if isinstance(qw, Fp8Weight) else Int8Linear
+        layer = kind.from_weights(qw, linear.bias).to(linear.weight.device)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, layer)
