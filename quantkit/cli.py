@@ -66,12 +66,13 @@ def quantize(recipe_path: str, overwrite: bool, quiet: bool, json_out: str | Non
     report.info(f"loaded {recipe.model} ({type(loaded.model).__name__}, {loaded.model.dtype}) "
                 f"in {report.timings['load']:.1f} s")
     calib = None
-    if recipe.stage.name == "gptq":
+    if recipe.needs_calibration:
         with report.timed("calibration"):
             calib = calibration.build(loaded.tokenizer, recipe.calibration)
         report.info(f"calibration: {tuple(calib.tokens.shape)} tokens from {calib.source} (sha256 {calib.sha256[:12]})")
     with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
-        result = pipeline.quantize(loaded.model, recipe.stage, calib, device, recipe.export.formats, report)
+        result = pipeline.quantize(loaded.model, recipe.stage, calib, device, recipe.export.formats, report,
+                                   recipe.transforms)
     dtype = torch_dtype(recipe.export.dtype, loaded.model.dtype)
     manifest = {
         "quantkit_version": package_versions()["quantkit"],
@@ -203,7 +204,7 @@ def report(items, out_dir, **kw) -> None:
                 raise QuantkitError(f"{item}: not a quantkit eval JSON (no 'ppl' / 'size_bytes')")
         else:
             rep.info(f"== {item}")
-            body = evaluate(item, o, rep)
+            body = evaluate(item, o, Reporter(kw["quiet"]))  # timings per item
         bodies.append(body)
         click.echo(_summary_line(body))
     out = Path(out_dir)

@@ -7,40 +7,54 @@ gate/up read the same tensor, so they share one Hessian and one factorization), 
 with GPTQ and swaps the quantized weight in before the Linear runs. Every later Linear in the block
 therefore sees the outputs of already-quantized ones (true-sequential), and the block's output is the
 quantized block's output, which feeds the next block. One forward per block, not two.
+
+Transform stages (SmoothQuant) add one float forward of the block before that, whose hooks gather the
+statistics they fold into the block's weights. RTN needs no data: alone it quantizes every Linear in one
+sweep; after a transform it quantizes each block's Linears and runs the block to feed the next one.
+W8A8 recipes also quantize each Linear's input per token during those forwards (the grid Int8Linear /
+Fp8Linear run), so later blocks calibrate on what will run. The model keeps float Linears holding the
+dequantized weights; `kernels.w8a8.swap_w8a8_linears(model, result.qweights)` makes it the W8A8 model.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import transforms as transform_passes
+from .algorithms.fp8 import Fp8Weight, fp8_quantize
 from .algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
 from .algorithms.grid import GridSpec, QuantizedWeight
 from .algorithms.rtn import rtn_quantize
 from .calibration import CalibrationSet
 from .errors import QuantkitError
 from .export.base import QuantInfo
+from .kernels.w8a8 import fake_quantize_tokens
 from .model import block_linears, check_supported, decoder_blocks, matches
 from .progress import Reporter, fmt_eta
-from .recipe import Stage
+from .recipe import Stage, WeightQuant
 
 
 @dataclass
 class QuantResult:
-    qweights: dict[str, QuantizedWeight]
+    qweights: dict[str, QuantizedWeight | Fp8Weight]
     info: QuantInfo
     losses: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def plan(model: nn.Module, stage: Stage, formats: list[str]) -> tuple[str, dict[str, nn.Linear], QuantInfo]:
-    """Which Linear layers get quantized, checked against the grid and the formats before any work."""
-    args = stage.args
+def plan(
+    model: nn.Module, stage: Stage, formats: list[str], index: int = 0
+) -> tuple[str, dict[str, nn.Linear], QuantInfo]:
+    """Which Linear layers get quantized, checked against the grid and the formats before any work.
+    index: the stage's position in the recipe, for error messages."""
+    args, path = stage.args, f"stages.{index}.{stage.name}"
     spec = GridSpec(args.bits, args.group_size, args.sym)
     prefix, blocks = decoder_blocks(model)
     check_supported(model, blocks)
@@ -49,14 +63,16 @@ def plan(model: nn.Module, stage: Stage, formats: list[str]) -> tuple[str, dict[
     }
     targets = {n: m for n, m in in_blocks.items() if not matches(n, args.ignore)}
     if not targets:
-        raise QuantkitError(f"stages.0.{stage.name}.ignore: every Linear layer is ignored; nothing to quantize")
+        raise QuantkitError(f"{path}.ignore: every Linear layer is ignored; nothing to quantize")
     for name, m in targets.items():
         if args.group_size != -1 and m.in_features % args.group_size:
             divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
             raise QuantkitError(
-                f"stages.0.{stage.name}.group_size: {args.group_size} does not divide in_features "
+                f"{path}.group_size: {args.group_size} does not divide in_features "
                 f"{m.in_features} of {name}; use {' or '.join(map(str, divisors + [-1]))}"
             )
+        if args.activations is not None:
+            continue  # W8A8 weights are stored one int8 / FP8 value per element: nothing to pack
         for fmt in formats:
             # GPTQ packs along in (qweight) and out (qzeros); compressed-tensors along in only.
             dims = {"in_features": m.in_features} | ({"out_features": m.out_features} if fmt == "gptq" else {})
@@ -74,6 +90,7 @@ def plan(model: nn.Module, stage: Stage, formats: list[str]) -> tuple[str, dict[
         damp=getattr(args, "damp", None),
         unquantized_linears=unquantized,
         block_linears_prefix=prefix,
+        activations=None if args.activations is None else args.activations.kind,
     )
     return prefix, targets, info
 
@@ -132,6 +149,15 @@ def _check_finite(hidden: torch.Tensor, where: str) -> None:
         )
 
 
+def _rtn(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedWeight | Fp8Weight, float]:
+    """Round-to-nearest (FP8 for type: float) swapped into the Linear; the loss is the weight's mean squared error."""
+    qw = fp8_quantize(module.weight.data) if args.type == "float" else rtn_quantize(module.weight.data, spec)
+    deq = qw.dequantize(module.weight.dtype).to(module.weight.device)
+    loss = float((deq.float() - module.weight.float()).square().mean())
+    module.weight.data = deq
+    return qw, loss
+
+
 def quantize(
     model: nn.Module,
     stage: Stage,
@@ -139,76 +165,62 @@ def quantize(
     device: torch.device,
     formats: list[str],
     report: Reporter,
+    transforms: Sequence[Stage] = (),
 ) -> QuantResult:
-    prefix, targets, info = plan(model, stage, formats)
+    """stage: the weight stage; transforms: the transform stages before it, in recipe order."""
+    prefix, targets, info = plan(model, stage, formats, len(transforms))
+    info.method = "+".join(s.name for s in [*transforms, stage])
+    passes = transform_passes.build(list(transforms), prefix, decoder_blocks(model)[1])
+    for p in passes:
+        for note in p.notes:
+            report.warn(f"{p.name}: {note}")
     result = QuantResult({}, info)
-    if stage.name == "rtn":
+    if stage.name == "rtn" and not passes:  # no data needed: one sweep over the weights
         with report.timed("rtn"), torch.no_grad():
             for name, module in targets.items():
-                qw = rtn_quantize(module.weight.data, info.spec)
-                deq = qw.dequantize(module.weight.dtype)
-                result.losses[name] = float((deq.float() - module.weight.float()).square().mean())
-                module.weight.data = deq
-                result.qweights[name] = qw
+                result.qweights[name], result.losses[name] = _rtn(module, stage.rtn, info.spec)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
-        _gptq(model, stage, calib, device, prefix, targets, result, report)
+        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report)
+    for p in passes:
+        report.info(p.summary())
     result.timings = dict(report.timings)
     return result
 
 
-def _gptq(model, stage, calib, device, prefix, targets, result: QuantResult, report: Reporter) -> None:
-    args, spec = stage.gptq, result.info.spec
+def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter) -> None:
     _, blocks = decoder_blocks(model)
     with report.timed("capture"):
         hidden, calls = capture_block_inputs(model, blocks, calib.tokens)
     hidden = hidden.to(device)
     report.info(
-        f"gptq: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration tokens, "
-        f"device {device}"
+        f"{result.info.method}: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration "
+        f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
     )
     start = time.perf_counter()
     for i, block in enumerate(blocks):
         t0 = time.perf_counter()
         block.to(device)
         names = {m: n for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
-        shared: dict = {"x": None, "solver": None}
+        call_args, call_kwargs = _to(calls[i], device)
 
-        def pre_hook(module: nn.Linear, inputs: tuple) -> None:
-            name = names[module]
-            if name in result.qweights:
-                return  # a Linear called twice in one forward is quantized once
-            x = inputs[0]
-            with report.timed("hessian+gptq"):
-                if shared["x"] is not x:
-                    h = Hessian(module.in_features, x.device)
-                    h.add(x)
-                    try:
-                        solver = GPTQ(h.value(), spec, args.damp, args.block_size, args.act_order,
-                                      warn=lambda m: report.warn(f"{name}: {m}"))
-                    except NotPositiveDefinite as err:
-                        raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
-                    shared["x"], shared["solver"] = x, solver
-                qw, loss = shared["solver"].quantize(module.weight.data)
-            module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
-            result.qweights[name], result.losses[name] = qw, loss
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                out = block(x, *call_args, **call_kwargs)
+            return out[0] if isinstance(out, tuple) else out
 
-        handles = [m.register_forward_pre_hook(pre_hook) for m in names]
-        try:
-            with torch.no_grad(), report.timed("forward+quantize"):
-                call_args, call_kwargs = _to(calls[i], device)
-                out = block(hidden, *call_args, **call_kwargs)
-                hidden = out[0] if isinstance(out, tuple) else out
-        finally:
-            for handle in handles:
-                handle.remove()
-            shared.clear()
-        for module, name in names.items():  # never called during the forward: no data, fall back to RTN
-            if name not in result.qweights:
-                report.warn(f"{name} was not reached by calibration data; quantized with RTN")
-                qw = rtn_quantize(module.weight.data, spec)
-                module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
-                result.qweights[name], result.losses[name] = qw, float("nan")
+        for p in passes:
+            with report.timed(p.name):
+                handles = p.observe(i, block)
+                try:
+                    run(hidden)  # float block: only the hooks' statistics matter
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                for warning in p.apply(i, block):
+                    report.warn(warning)
+        step = _gptq_block if stage.name == "gptq" else _rtn_block
+        hidden = step(run, hidden, names, stage.args, result, report)
         _check_finite(hidden, f"block {i}")
         block.to("cpu")
         elapsed = time.perf_counter() - start
@@ -218,3 +230,63 @@ def _gptq(model, stage, calib, device, prefix, targets, result: QuantResult, rep
         )
         report.info(f"block {i + 1}/{len(blocks)}  {time.perf_counter() - t0:5.1f} s  "
                     f"ETA {fmt_eta(eta)}  loss {losses}")
+
+
+def _rtn_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
+               report: Reporter) -> torch.Tensor:
+    with report.timed("rtn"), torch.no_grad():
+        for module, name in names.items():
+            result.qweights[name], result.losses[name] = _rtn(module, args, result.info.spec)
+    act = result.info.activations
+    handles = [] if act is None else [
+        m.register_forward_pre_hook(lambda _, inputs: (fake_quantize_tokens(inputs[0], act), *inputs[1:]))
+        for m in names
+    ]
+    try:
+        with report.timed("forward"):
+            return run(hidden)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
+                report: Reporter) -> torch.Tensor:
+    spec, act = result.info.spec, result.info.activations
+    shared: dict = {"x": None, "xq": None, "solver": None}
+
+    def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
+        name, x = names[module], inputs[0]
+        if shared["x"] is not x:  # q/k/v and gate/up read one tensor: one Hessian, one factorization
+            # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
+            xq = x if act is None else fake_quantize_tokens(x, act)
+            shared.update(x=x, xq=xq, solver=None)
+        if name not in result.qweights:  # a Linear called twice in one forward is quantized once
+            with report.timed("hessian+gptq"):
+                if shared["solver"] is None:
+                    h = Hessian(module.in_features, x.device)
+                    h.add(shared["xq"])
+                    try:
+                        shared["solver"] = GPTQ(h.value(), spec, args.damp, args.block_size, args.act_order,
+                                                warn=lambda m: report.warn(f"{name}: {m}"))
+                    except NotPositiveDefinite as err:
+                        raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
+                qw, loss = shared["solver"].quantize(module.weight.data)
+            module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
+            result.qweights[name], result.losses[name] = qw, loss
+        return None if act is None else (shared["xq"], *inputs[1:])
+
+    handles = [m.register_forward_pre_hook(pre_hook) for m in names]
+    try:
+        with report.timed("forward+quantize"):
+            hidden = run(hidden)
+    finally:
+        for handle in handles:
+            handle.remove()
+        shared.clear()
+    for module, name in names.items():  # never called during the forward: no data, fall back to RTN
+        if name not in result.qweights:
+            report.warn(f"{name} was not reached by calibration data; quantized with RTN")
+            result.qweights[name], _ = _rtn(module, args, spec)
+            result.losses[name] = float("nan")
+    return hidden

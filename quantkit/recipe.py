@@ -42,10 +42,25 @@ class Calibration(_Strict):
     seed: int = 0
 
 
+class Activations(_Strict):
+    """W8A8: inputs of the quantized Linears quantized per token at run time (vLLM's dynamic schemes)."""
+
+    bits: Literal[8] = 8
+    type: Literal["int", "float"] = "int"  # float: FP8 e4m3
+    dynamic: Literal[True] = True
+    strategy: Literal["token"] = "token"
+
+    @property
+    def kind(self) -> str:
+        return "int8" if self.type == "int" else "fp8"
+
+
 class WeightQuant(_Strict):
     bits: Literal[2, 3, 4, 8] = 4
     group_size: Literal[-1, 32, 64, 128, 256] = 128
     sym: bool = True
+    type: Literal["int", "float"] = "int"  # float: FP8 e4m3, one scale per output channel (RTN only)
+    activations: Activations | None = None  # None: weight-only
     # Module names (or suffixes / regexes with 're:') left in float. Only Linear layers inside
     # decoder blocks are quantized at all, so lm_head and embeddings stay float regardless.
     ignore: list[str] = ["lm_head"]
@@ -61,23 +76,38 @@ class GPTQ(WeightQuant):
     block_size: int = Field(128, ge=1)
 
 
+class SmoothQuant(_Strict):
+    alpha: float = Field(0.8, gt=0, lt=1)  # migration strength: s = max|X|^alpha / max|W|^(1-alpha)
+    # Mappings whose norm or any of whose Linear layers matches (names, dotted suffixes, 're:') stay unsmoothed.
+    ignore: list[str] = []
+
+
+# A recipe is zero or more transform stages (they rewrite the float weights, the model function unchanged),
+# then exactly one weight stage. A kind may be both (AWQ: a transform before gptq, or the weight stage alone).
+WEIGHT_STAGES = ("gptq", "rtn")
+TRANSFORM_STAGES = ("smoothquant",)
+CALIBRATED_STAGES = ("gptq", "smoothquant")
+
+
 class Stage(_Strict):
     gptq: GPTQ | None = None
     rtn: RTN | None = None
+    smoothquant: SmoothQuant | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> "Stage":
-        if sum(v is not None for v in (self.gptq, self.rtn)) != 1:
-            raise PydanticCustomError("stage", "a stage is exactly one of: gptq, rtn")
+        if sum(getattr(self, k) is not None for k in type(self).model_fields) != 1:
+            raise PydanticCustomError("stage", "a stage is exactly one of: {kinds}",
+                                      {"kinds": ", ".join(type(self).model_fields)})
         return self
 
     @property
     def name(self) -> str:
-        return "gptq" if self.gptq is not None else "rtn"
+        return next(k for k in type(self).model_fields if getattr(self, k) is not None)
 
     @property
-    def args(self) -> WeightQuant:
-        return self.gptq if self.gptq is not None else self.rtn
+    def args(self) -> Any:
+        return getattr(self, self.name)
 
 
 class Export(_Strict):
@@ -94,6 +124,10 @@ class Export(_Strict):
         return self
 
 
+def _error(message: str, **values: Any) -> PydanticCustomError:
+    return PydanticCustomError("recipe", message, values)
+
+
 class Recipe(_Strict):
     model: str
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -104,23 +138,74 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
-        if len(self.stages) > 1:
-            raise PydanticCustomError("stages", "stages: one weight-quantizing stage (gptq or rtn) per recipe")
-        stage = self.stages[0]
-        if stage.name == "gptq" and self.calibration is None:
-            raise PydanticCustomError("calib", "calibration: required by the gptq stage")
-        for fmt in self.export.formats:
-            if stage.args.bits not in FORMAT_BITS[fmt]:
-                raise PydanticCustomError(
-                    "bits", "stages.0.{stage}.bits: {bits} bits cannot be stored in {fmt} (it stores {ok})",
-                    {"stage": stage.name, "bits": stage.args.bits, "fmt": fmt,
-                     "ok": ", ".join(map(str, FORMAT_BITS[fmt]))},
-                )
+        self._check_order()
+        for stage in self.stages:
+            if stage.name in CALIBRATED_STAGES and self.calibration is None:
+                raise _error("calibration: required by the {stage} stage", stage=stage.name)
+        self._check_weights()
         return self
+
+    def _check_order(self) -> None:
+        last = len(self.stages) - 1
+        if self.stages[last].name not in WEIGHT_STAGES:
+            weight = next((i for i, s in enumerate(self.stages) if s.name in WEIGHT_STAGES), None)
+            if weight is None:
+                raise _error("stages: the last stage quantizes the weights ({kinds}); {name} only transforms them",
+                             kinds=", ".join(WEIGHT_STAGES), name=self.stages[last].name)
+            raise _error("stages.{i}.{name}: transform stages go before the weight stage (stages.{w}.{weight})",
+                         i=last, name=self.stages[last].name, w=weight, weight=self.stages[weight].name)
+        for i, stage in enumerate(self.stages[:last]):
+            if stage.name not in TRANSFORM_STAGES:
+                raise _error("stages.{i}.{name}: one weight-quantizing stage per recipe, the last one "
+                             "(stages.{last} is {other}); only {transforms} may come before it",
+                             i=i, name=stage.name, last=last, other=self.stages[last].name,
+                             transforms=", ".join(TRANSFORM_STAGES))
+
+    def _check_weights(self) -> None:
+        stage = self.stage
+        args, path = stage.args, f"stages.{len(self.stages) - 1}.{stage.name}"
+        act = args.activations
+        if args.type == "float":
+            if stage.name == "gptq":
+                raise _error("{path}.type: float (FP8) weights are rounded to nearest; use rtn with type: float",
+                             path=path)
+            for key, want, why in (("bits", 8, "FP8 e4m3 is 8 bits"), ("group_size", -1, "one scale per output "
+                                   "channel"), ("sym", True, "FP8 is symmetric")):
+                if getattr(args, key) != want:
+                    raise _error("{path}.{key}: float (FP8) weights need {key}: {want} ({why})",
+                                 path=path, key=key, want=str(want).lower(), why=why)
+            if act is None:
+                raise _error("{path}.activations: float (FP8) weights are written as W8A8 only; add "
+                             "activations: {type: float}", path=path)
+        if act is not None:
+            for key, want, why in (("bits", 8, "8-bit weights"), ("group_size", -1, "one scale per output channel"),
+                                   ("sym", True, "symmetric weights, the only ones vLLM runs")):
+                if getattr(args, key) != want:
+                    raise _error("{path}.{key}: W8A8 (activations) needs {why}: {key}: {want}",
+                                 path=path, key=key, want=str(want).lower(), why=why)
+            if act.type != args.type:
+                raise _error("{path}.activations.type: {act} activations need {act} weights (type: {act}), got "
+                             "type: {w}", path=path, act=act.type, w=args.type)
+            if "gptq" in self.export.formats:
+                raise _error("export.formats: gptq stores weight-only quantization; W8A8 (activations) is written "
+                             "as compressed-tensors only")
+        for fmt in self.export.formats:
+            if args.bits not in FORMAT_BITS[fmt]:
+                raise _error("{path}.bits: {bits} bits cannot be stored in {fmt} (it stores {ok})",
+                             path=path, bits=args.bits, fmt=fmt, ok=", ".join(map(str, FORMAT_BITS[fmt])))
 
     @property
     def stage(self) -> Stage:
-        return self.stages[0]
+        """The weight-quantizing stage (always the last)."""
+        return self.stages[-1]
+
+    @property
+    def transforms(self) -> list[Stage]:
+        return self.stages[:-1]
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(s.name in CALIBRATED_STAGES for s in self.stages)
 
 
 def parse_size(text: str) -> int:

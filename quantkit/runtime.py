@@ -1,7 +1,9 @@
 """Load an artifact back into a plain torch model so eval measures exactly what ships.
 
-Quantized Linear weights are unpacked from the files and dequantized into ordinary nn.Linear weights
-(fast low-bit kernels are the bench's business). Plain HF folders and GGUF files load as originals.
+Weight-only artifacts: quantized Linear weights are unpacked from the files and dequantized into ordinary
+nn.Linear weights (fast low-bit kernels are the bench's business). W8A8 artifacts (compressed-tensors
+int-quantized / float-quantized) get Int8Linear / Fp8Linear layers, which quantize their inputs per token
+as vLLM does, so eval measures quantized activations too. Plain HF folders and GGUF files load as originals.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from torch import nn
 
 from .errors import QuantkitError
 from .export import compressed_tensors, gptq
-from .export.base import split_by_module
+from .export.base import Fp8Weight, QuantizedWeight, split_by_module
+from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
 
-DECODERS = {
-    "gptq": (gptq.MARKER, gptq.decode_module),
-    "compressed-tensors": (compressed_tensors.MARKER, compressed_tensors.decode_module),
+DECODERS = {  # format -> (marker tensor suffix for a quantization_config, decoder)
+    "gptq": (lambda qcfg: gptq.MARKER, gptq.decode_module),
+    "compressed-tensors": (compressed_tensors.marker, compressed_tensors.decode_module),
 }
+W8A8_FORMATS = set(compressed_tensors.W8A8_FORMATS.values())  # compressed-tensors formats run as W8A8 layers
 
 
 def artifact_format(path: str | Path) -> str | None:
@@ -50,23 +54,29 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def dequantized_state_dict(folder: Path, fmt: str, qcfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def quantized_state_dict(
+    folder: Path, fmt: str, qcfg: dict, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight | Fp8Weight]]:
+    """The artifact's unquantized tensors (floats cast to dtype) and its decoded quantized Linear weights."""
     marker, decode = DECODERS[fmt]
     tensors = read_tensors(folder)
-    modules = split_by_module(tensors, marker)
+    modules = split_by_module(tensors, marker(qcfg))
     state = {}
     for name, t in tensors.items():
         prefix, _, _ = name.rpartition(".")
         if prefix in modules and not name.endswith(".bias"):
             continue
         state[name] = t.to(dtype) if t.is_floating_point() else t
-    for prefix, parts in modules.items():
-        state[f"{prefix}.weight"] = decode(parts, qcfg).dequantize(dtype)
-    return state
+    return state, {prefix: decode(parts, qcfg) for prefix, parts in modules.items()}
+
+
+def dequantized_state_dict(folder: Path, fmt: str, qcfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state, qweights = quantized_state_dict(folder, fmt, qcfg, dtype)
+    return state | {f"{prefix}.weight": qw.dequantize(dtype) for prefix, qw in qweights.items()}
 
 
 def load(path: str, dtype: str = "auto") -> Loaded:
-    """An artifact folder, an HF folder, a GGUF file or a hub id, as a float torch model on CPU."""
+    """An artifact folder, an HF folder, a GGUF file or a hub id, as a torch model on CPU."""
     fmt = artifact_format(path)
     if fmt is None:
         return load_model(path, dtype)
@@ -83,14 +93,22 @@ def load(path: str, dtype: str = "auto") -> Loaded:
     config = AutoConfig.for_model(**raw)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=want)
-    state = dequantized_state_dict(folder, fmt, qcfg, want)
+    w8a8 = fmt == "compressed-tensors" and compressed_tensors.format_of(qcfg) in W8A8_FORMATS
+    if w8a8:  # the quantized weights go into W8A8 layers below, not into the float Linears
+        state, qweights = quantized_state_dict(folder, fmt, qcfg, want)
+        loaded_later = {f"{prefix}.weight" for prefix in qweights}
+    else:
+        state, loaded_later = dequantized_state_dict(folder, fmt, qcfg, want), set()
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
+    missing = set(missing) - tied - loaded_later
+    if missing or unexpected:
         raise QuantkitError(
-            f"{path}: tensors do not match the config (missing {sorted(set(missing) - tied)[:3]}, "
+            f"{path}: tensors do not match the config (missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]})"
         )
     model.tie_weights()
+    if w8a8:
+        swap_w8a8_linears(model, qweights)
     model.eval()
     return Loaded(model, AutoTokenizer.from_pretrained(str(folder)), str(folder))

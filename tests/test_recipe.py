@@ -30,7 +30,7 @@ def test_defaults_follow_the_contract():
 @pytest.mark.parametrize("edit, expected", [
     (lambda d: d["stages"][0]["gptq"].update(bits=5), "stages.0.gptq.bits: Input should be 2, 3, 4 or 8 (got 5)"),
     (lambda d: d["stages"][0]["gptq"].update(group_size=48), "stages.0.gptq.group_size: Input should be -1, 32, 64, 128 or 256 (got 48)"),
-    (lambda d: d["stages"][0].update(awq={}), "stages.0: unknown key 'awq' (accepted: gptq, rtn)"),
+    (lambda d: d["stages"][0].update(awq={}), "stages.0: unknown key 'awq' (accepted: gptq, rtn, smoothquant)"),
     (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, calibration, stages, export)"),
     (lambda d: d["stages"][0]["gptq"].update(damp=0), "stages.0.gptq.damp: Input should be greater than 0"),
     (lambda d: d["calibration"].update(num_samples="many"), "calibration.num_samples: Input should be a valid integer"),
@@ -59,6 +59,75 @@ def test_rtn_needs_no_calibration_and_3_bit_gptq_format_is_fine():
     assert parse_recipe(d).stage.name == "rtn"
 
 
+W8A8 = {"bits": 8, "group_size": -1, "activations": {"type": "int"}}
+
+
+def w8a8(*stages, formats=("compressed-tensors",)):
+    return dict(copy.deepcopy(BASE), stages=list(stages), export={"output": "o", "formats": list(formats)})
+
+
+def test_transform_stages_then_one_weight_stage():
+    r = parse_recipe(w8a8({"smoothquant": {}}, {"gptq": W8A8}))
+    assert [s.name for s in r.transforms] == ["smoothquant"] and r.stage.name == "gptq"
+    assert (r.transforms[0].smoothquant.alpha, r.transforms[0].smoothquant.ignore) == (0.8, [])
+    act = r.stage.gptq.activations
+    assert (act.bits, act.type, act.dynamic, act.strategy, act.kind) == (8, "int", True, "token", "int8")
+    assert r.needs_calibration
+    fp8 = {"rtn": dict(W8A8, type="float", activations={"type": "float"})}
+    r = parse_recipe(dict(w8a8(fp8), calibration=None))  # FP8 RTN needs no data
+    assert r.stage.rtn.activations.kind == "fp8" and not r.transforms and not r.needs_calibration
+    assert parse_recipe(w8a8({"smoothquant": {"alpha": 0.5}}, {"rtn": W8A8})).transforms[0].args.alpha == 0.5
+
+
+@pytest.mark.parametrize("stages, edit, expected", [
+    ([{"gptq": W8A8}, {"smoothquant": {}}], None,
+     "stages.1.smoothquant: transform stages go before the weight stage (stages.0.gptq)"),
+    ([{"smoothquant": {}}], None, "stages: the last stage quantizes the weights (gptq, rtn); smoothquant only "
+                                  "transforms them"),
+    ([{"gptq": W8A8}, {"rtn": W8A8}], None, "stages.0.gptq: one weight-quantizing stage per recipe, the last one "
+                                            "(stages.1 is rtn); only smoothquant may come before it"),
+    ([{"smoothquant": {}}, {"rtn": W8A8}], lambda d: d.pop("calibration"),
+     "calibration: required by the smoothquant stage"),
+    ([{"smoothquant": {"alpha": 1}}, {"gptq": W8A8}], None,
+     "stages.0.smoothquant.alpha: Input should be less than 1 (got 1)"),
+    ([{"smoothquant": {"alpha": 0}}, {"gptq": W8A8}], None,
+     "stages.0.smoothquant.alpha: Input should be greater than 0 (got 0)"),
+    ([{"smoothquant": {}, "gptq": W8A8}], None, "stages.0: a stage is exactly one of: gptq, rtn, smoothquant"),
+    ([{"gptq": dict(W8A8, bits=4)}], None, "stages.0.gptq.bits: W8A8 (activations) needs 8-bit weights: bits: 8"),
+    ([{"smoothquant": {}}, {"gptq": dict(W8A8, group_size=64)}], None,
+     "stages.1.gptq.group_size: W8A8 (activations) needs one scale per output channel: group_size: -1"),
+    ([{"rtn": dict(W8A8, sym=False)}], None,
+     "stages.0.rtn.sym: W8A8 (activations) needs symmetric weights, the only ones vLLM runs: sym: true"),
+    ([{"gptq": dict(W8A8, activations={"bits": 4})}], None,
+     "stages.0.gptq.activations.bits: Input should be 8 (got 4)"),
+    ([{"gptq": dict(W8A8, activations={"strategy": "tensor"})}], None,
+     "stages.0.gptq.activations.strategy: Input should be 'token' (got 'tensor')"),
+    ([{"gptq": dict(W8A8, activations={"dynamic": False})}], None,
+     "stages.0.gptq.activations.dynamic: Input should be True (got False)"),
+    ([{"rtn": dict(W8A8, activations={"type": "float"})}], None,
+     "stages.0.rtn.activations.type: float activations need float weights (type: float), got type: int"),
+    ([{"rtn": dict(W8A8, type="float")}], None,
+     "stages.0.rtn.activations.type: int activations need int weights (type: int), got type: float"),
+    ([{"gptq": dict(W8A8, type="float", activations={"type": "float"})}], None,
+     "stages.0.gptq.type: float (FP8) weights are rounded to nearest; use rtn with type: float"),
+    ([{"rtn": {"bits": 4, "group_size": -1, "type": "float"}}], None,
+     "stages.0.rtn.bits: float (FP8) weights need bits: 8 (FP8 e4m3 is 8 bits)"),
+    ([{"rtn": {"bits": 8, "group_size": 64, "type": "float"}}], None,
+     "stages.0.rtn.group_size: float (FP8) weights need group_size: -1 (one scale per output channel)"),
+    ([{"rtn": {"bits": 8, "group_size": -1, "type": "float"}}], None,
+     "stages.0.rtn.activations: float (FP8) weights are written as W8A8 only; add activations: {type: float}"),
+    ([{"gptq": W8A8}], lambda d: d["export"].update(formats=["gptq", "compressed-tensors"]),
+     "export.formats: gptq stores weight-only quantization; W8A8 (activations) is written as compressed-tensors only"),
+])
+def test_bad_stage_lists_and_w8a8_settings_name_the_field(stages, edit, expected):
+    d = w8a8(*copy.deepcopy(stages))
+    if edit:
+        edit(d)
+    with pytest.raises(QuantkitError) as err:
+        parse_recipe(d, "r.yaml")
+    assert str(err.value) == f"r.yaml: {expected}"
+
+
 def test_yaml_errors_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: x\nstages: [\n")
@@ -84,7 +153,8 @@ json_values = st.recursive(
     max_leaves=12,
 )
 field_names = st.sampled_from(["model", "dtype", "device", "calibration", "stages", "export", "gptq", "rtn",
-                               "bits", "group_size", "formats", "output", "num_samples", "x"])
+                               "smoothquant", "alpha", "activations", "type", "bits", "group_size", "formats",
+                               "output", "num_samples", "x"])
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,7 +14,7 @@ from ..algorithms.grid import GridSpec, QuantizedWeight
 class QuantInfo:
     """How the weights were quantized, as the formats' configs need to say it."""
 
-    method: str  # gptq | rtn
+    method: str  # the recipe's stages joined by '+': gptq | rtn | smoothquant+gptq | ...
     spec: GridSpec  # the int grid; unused by FP8 weights
     act_order: bool = False
     damp: float | None = None

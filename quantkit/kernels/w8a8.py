@@ -38,6 +38,16 @@ def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+TOKEN_QUANTIZERS = {"int8": quantize_tokens_int8, "fp8": quantize_tokens_fp8}
+
+
+def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x with each token quantized and dequantized on the grid Int8Linear / Fp8Linear use (kind: int8 | fp8):
+    what a float Linear holding the dequantized weight must read to compute what the W8A8 layer computes."""
+    q, scale = TOKEN_QUANTIZERS[kind](x.reshape(-1, x.shape[-1]))
+    return (q.float() * scale).to(x.dtype).reshape(x.shape)
+
+
 def int8_mm_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a int8 [M, K] @ b int8 [K, N] -> int32, in float64: every partial sum is an integer below
     K·2^14 < 2^53, so it is exact on any device."""
