@@ -179,6 +179,7 @@ def test_eval_json_contract_and_base_cache(monkeypatch, tmp_path, tiny_llama, rt
     code, second = run_eval(monkeypatch, tmp_path, rtn_artifact, "--base", tiny_llama, "--tasks", "arc_easy,lambada_openai",
                             "--limit", "6", name="b.json")
     assert code == 0 and second["base_cache_hit"] == {"logits": True, "tasks": True, "generation": True}
+    assert second["base_size_bytes"] == first["base_size_bytes"] > second["size_bytes"]
     assert "base_logits" not in second["timings_s"] and "base_tasks" not in second["timings_s"]
     assert second["kld"] == first["kld"] and second["tasks"] == first["tasks"]
     assert second["generation"]["per_prompt"] == first["generation"]["per_prompt"]

@@ -29,7 +29,7 @@ def base_logits_entry(base: str, ids: torch.Tensor, seq_len: int, top_k: int, dt
 
 def fill_base_cache(entry: cache.LogitCache, parts: dict, base: str, dataset: str, max_tokens: int | None,
                     ids: torch.Tensor, seq_len: int, top_k: int, device: torch.device, report: Reporter,
-                    loaded: Loaded) -> None:
+                    loaded: Loaded, extra_meta: dict | None = None) -> None:
     if not torch.equal(eval_tokens(loaded.tokenizer, dataset, max_tokens), ids):
         raise QuantkitError(f"--base: {base} tokenizes the evaluation text differently from the model "
                             "(a different tokenizer cannot be compared token by token)")
@@ -37,7 +37,7 @@ def fill_base_cache(entry: cache.LogitCache, parts: dict, base: str, dataset: st
     try:
         for i, logits, targets in window_logits(loaded.model, ids, seq_len, report, "base window", device):
             entry.write(i, BaseTopK.from_logits(logits, targets, top_k).to("cpu"))
-        entry.commit({"key_parts": parts})
+        entry.commit({"key_parts": parts, **(extra_meta or {})})
     except BaseException:
         entry.abort()
         raise

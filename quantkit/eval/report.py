@@ -10,7 +10,11 @@ def _f(x, digits=4) -> str:
 
 
 def _name(body: dict) -> str:
-    return body.get("name") or Path(body["model"]).name or body["model"]
+    """An explicit name, else the artifact folder (`out/NAME/<format>` -> `NAME/<format>`)."""
+    if body.get("name"):
+        return body["name"]
+    path = Path(body["model"])
+    return f"{path.parent.name}/{path.name}" if path.name == body.get("format") else (path.name or body["model"])
 
 
 def _task_metric(scores: dict) -> str | None:
@@ -33,7 +37,9 @@ def comparison_table(bodies: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = next((b for b in bodies if b.get("ppl", {}).get("base") is not None), None)
     if base:
-        cells = [f"base: {Path(base['base']).name}", "float", "", _f(base["ppl"]["base"]), "0", "0", "0", "100", "0"]
+        size = base.get("base_size_bytes")
+        cells = [f"base: {Path(base['base']).name}", "float", _f(size and size / 1e6, 1), _f(base["ppl"]["base"]),
+                 "0", "0", "0", "100", "0"]
         cells += [_f(base.get("tasks", {}).get(t, {}).get("base", {}).get(m)) for t, m in task_cols]
         lines.append("| " + " | ".join(cells + ["100", "1"]) + " |")
     for b in bodies:
@@ -126,6 +132,8 @@ def plots(bodies: list[dict], out: Path) -> list[Path]:
     base = next((b for b in bodies if b.get("ppl", {}).get("base") is not None), None)
     if base:
         a1.axhline(base["ppl"]["base"], ls="--", color="grey", label="base")
+        if base.get("base_size_bytes"):
+            a1.scatter(base["base_size_bytes"] / 1e6, base["ppl"]["base"], marker="*", s=120, color="grey")
         a1.legend()
     a1.set_xlabel("weight bytes (MB)")
     a1.set_ylabel("perplexity")

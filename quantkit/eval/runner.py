@@ -113,8 +113,10 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter) -> dict:
         else:
             report.info(f"base logits: computing {o.base} once (cached in {entry.folder})")
             with report.timed("base_logits"):
+                b = base.get()
                 fill_base_cache(entry, parts, o.base, o.dataset, o.max_tokens, ids, o.seq_len, o.top_k, device,
-                                report, base.get())
+                                report, b, {"size_bytes": weight_bytes(o.base, b.model)[0]})
+        body["base_size_bytes"] = entry.meta().get("size_bytes")
         task_entries = _task_entries(o, root, device)
         missing = [t for t, e in task_entries.items() if e.get() is None]
         body["base_cache_hit"]["tasks"] = not missing
