@@ -8,9 +8,10 @@ with GPTQ and swaps the quantized weight in before the Linear runs. Every later 
 therefore sees the outputs of already-quantized ones (true-sequential), and the block's output is the
 quantized block's output, which feeds the next block. One forward per block, not two.
 
-Transform stages (SmoothQuant) add one float forward of the block before that, whose hooks gather the
+Transform stages (SmoothQuant, AWQ) add one float forward of the block before that, whose hooks gather the
 statistics they fold into the block's weights. RTN needs no data: alone it quantizes every Linear in one
-sweep; after a transform it quantizes each block's Linears and runs the block to feed the next one.
+sweep; after a transform it quantizes each block's Linears and runs the block to feed the next one. AWQ as
+the weight stage is its transform pass followed by that RTN step on the AWQ grid.
 W8A8 recipes also quantize each Linear's input per token during those forwards (the grid Int8Linear /
 Fp8Linear run), so later blocks calibrate on what will run. The model keeps float Linears holding the
 dequantized weights; `kernels.w8a8.swap_w8a8_linears(model, result.qweights)` makes it the W8A8 model.
@@ -74,8 +75,11 @@ def plan(
         if args.activations is not None:
             continue  # W8A8 weights are stored one int8 / FP8 value per element: nothing to pack
         for fmt in formats:
-            # GPTQ packs along in (qweight) and out (qzeros); compressed-tensors along in only.
-            dims = {"in_features": m.in_features} | ({"out_features": m.out_features} if fmt == "gptq" else {})
+            # GPTQ packs along in (qweight) and out (qzeros); compressed-tensors along in only; AWQ along out only.
+            dims = {
+                "gptq": {"in_features": m.in_features, "out_features": m.out_features},
+                "awq": {"out_features": m.out_features},
+            }.get(fmt, {"in_features": m.in_features})
             for dim, size in dims.items():
                 if (size * args.bits) % 32:
                     raise QuantkitError(
@@ -170,7 +174,9 @@ def quantize(
     """stage: the weight stage; transforms: the transform stages before it, in recipe order."""
     prefix, targets, info = plan(model, stage, formats, len(transforms))
     info.method = "+".join(s.name for s in [*transforms, stage])
-    passes = transform_passes.build(list(transforms), prefix, decoder_blocks(model)[1])
+    # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
+    own = [stage] if stage.name in transform_passes.PASSES else []
+    passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1])
     for p in passes:
         for note in p.notes:
             report.warn(f"{p.name}: {note}")

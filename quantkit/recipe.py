@@ -14,7 +14,8 @@ from pydantic_core import PydanticCustomError
 
 from .errors import QuantkitError
 
-FORMAT_BITS = {"gptq": (2, 3, 4, 8), "compressed-tensors": (4, 8)}
+FORMAT_BITS = {"gptq": (2, 3, 4, 8), "compressed-tensors": (4, 8), "awq": (4,)}
+WEIGHT_ONLY_FORMATS = ("gptq", "awq")  # no activation quantization: W8A8 is compressed-tensors only
 
 
 class _Strict(BaseModel):
@@ -82,17 +83,44 @@ class SmoothQuant(_Strict):
     ignore: list[str] = []
 
 
+class AWQ(_Strict):
+    """AWQ (activation-aware scaling, then optional clipping). As the weight stage it rounds to nearest on its
+    own grid; as a transform before gptq it only folds scales and clips, and gptq rounds on the same grid."""
+
+    bits: Literal[4] = 4
+    group_size: Literal[-1, 32, 64, 128] = 128
+    zero_point: bool = True  # true: asymmetric grid (AutoAWQ's default); false: symmetric
+    grid: int = Field(20, ge=1, le=1000)  # scale exponents tried: alpha = i / grid, i < grid
+    duo_scaling: bool = True  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default); false: s = x_mean^a
+    clip: bool = True  # search each group's clipping range after scaling (never q/k projections)
+    ignore: list[str] = ["lm_head"]
+
+    # the WeightQuant fields the pipeline and the export checks read
+    @property
+    def sym(self) -> bool:
+        return not self.zero_point
+
+    @property
+    def type(self) -> str:
+        return "int"
+
+    @property
+    def activations(self) -> None:
+        return None
+
+
 # A recipe is zero or more transform stages (they rewrite the float weights, the model function unchanged),
 # then exactly one weight stage. A kind may be both (AWQ: a transform before gptq, or the weight stage alone).
-WEIGHT_STAGES = ("gptq", "rtn")
-TRANSFORM_STAGES = ("smoothquant",)
-CALIBRATED_STAGES = ("gptq", "smoothquant")
+WEIGHT_STAGES = ("gptq", "rtn", "awq")
+TRANSFORM_STAGES = ("smoothquant", "awq")
+CALIBRATED_STAGES = ("gptq", "smoothquant", "awq")
 
 
 class Stage(_Strict):
     gptq: GPTQ | None = None
     rtn: RTN | None = None
     smoothquant: SmoothQuant | None = None
+    awq: AWQ | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> "Stage":
@@ -112,7 +140,7 @@ class Stage(_Strict):
 
 class Export(_Strict):
     output: str
-    formats: list[Literal["gptq", "compressed-tensors"]] = Field(["compressed-tensors"], min_length=1)
+    formats: list[Literal["gptq", "compressed-tensors", "awq"]] = Field(["compressed-tensors"], min_length=1)
     max_shard_size: str = "2GB"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # of the tensors left unquantized
 
@@ -160,6 +188,27 @@ class Recipe(_Strict):
                              "(stages.{last} is {other}); only {transforms} may come before it",
                              i=i, name=stage.name, last=last, other=self.stages[last].name,
                              transforms=", ".join(TRANSFORM_STAGES))
+        weight = self.stages[last]
+        for i, stage in enumerate(self.stages[:last]):
+            if stage.name != "awq":
+                continue
+            if any(s.name == "awq" for s in self.stages[i + 1 : last]):
+                raise _error("stages.{i}.awq: one awq stage per recipe", i=i)
+            if weight.name != "gptq":
+                raise _error("stages.{i}.awq: awq transforms only before gptq; before {name}, drop the {name} "
+                             "stage: awq alone is the weight stage (round-to-nearest on its grid)",
+                             i=i, name=weight.name)
+            # the scales and clipping are searched on awq's grid: gptq must round on that same grid
+            awq, gptq = stage.awq, weight.gptq
+            for key, want, got in (("bits", awq.bits, gptq.bits), ("group_size", awq.group_size, gptq.group_size),
+                                   ("sym", awq.sym, gptq.sym), ("ignore", awq.ignore, gptq.ignore)):
+                if want != got:
+                    source = "zero_point: " + str(awq.zero_point).lower() if key == "sym" else \
+                        f"{key}: {want}"
+                    raise _error("stages.{last}.gptq.{key}: must be {want} to match stages.{i}.awq ({source}); "
+                                 "awq searches its scales on the grid gptq then rounds to",
+                                 last=last, key=key, want=str(want).lower() if isinstance(want, bool) else want,
+                                 i=i, source=source)
 
     def _check_weights(self) -> None:
         stage = self.stage
@@ -186,9 +235,10 @@ class Recipe(_Strict):
             if act.type != args.type:
                 raise _error("{path}.activations.type: {act} activations need {act} weights (type: {act}), got "
                              "type: {w}", path=path, act=act.type, w=args.type)
-            if "gptq" in self.export.formats:
-                raise _error("export.formats: gptq stores weight-only quantization; W8A8 (activations) is written "
-                             "as compressed-tensors only")
+            for fmt in WEIGHT_ONLY_FORMATS:
+                if fmt in self.export.formats:
+                    raise _error("export.formats: {fmt} stores weight-only quantization; W8A8 (activations) is "
+                                 "written as compressed-tensors only", fmt=fmt)
         for fmt in self.export.formats:
             if args.bits not in FORMAT_BITS[fmt]:
                 raise _error("{path}.bits: {bits} bits cannot be stored in {fmt} (it stores {ok})",

@@ -1,6 +1,6 @@
 """Load an artifact back into a plain torch model so eval measures exactly what ships.
 
-Weight-only artifacts: quantized Linear weights are unpacked from the files and dequantized into ordinary
+Weight-only artifacts (gptq, awq, compressed-tensors pack-quantized): quantized Linear weights are unpacked from the files and dequantized into ordinary
 nn.Linear weights (fast low-bit kernels are the bench's business). W8A8 artifacts (compressed-tensors
 int-quantized / float-quantized) get Int8Linear / Fp8Linear layers, which quantize their inputs per token
 as vLLM does, so eval measures quantized activations too. Plain HF folders and GGUF files load as originals.
@@ -17,20 +17,21 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .errors import QuantkitError
-from .export import compressed_tensors, gptq
+from .export import awq, compressed_tensors, gptq
 from .export.base import Fp8Weight, QuantizedWeight, split_by_module
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
 
 DECODERS = {  # format -> (marker tensor suffix for a quantization_config, decoder)
     "gptq": (lambda qcfg: gptq.MARKER, gptq.decode_module),
+    "awq": (lambda qcfg: awq.MARKER, awq.decode_module),  # same marker as gptq: quant_method tells them apart
     "compressed-tensors": (compressed_tensors.marker, compressed_tensors.decode_module),
 }
 W8A8_FORMATS = set(compressed_tensors.W8A8_FORMATS.values())  # compressed-tensors formats run as W8A8 layers
 
 
 def artifact_format(path: str | Path) -> str | None:
-    """'gptq' / 'compressed-tensors' for a quantized folder, None for anything else."""
+    """'gptq' / 'awq' / 'compressed-tensors' for a quantized folder (its quant_method), None for anything else."""
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return None

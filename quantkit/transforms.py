@@ -2,6 +2,9 @@
 forward of the block, then scales are folded into its weights. The block's float function is unchanged;
 only where the quantization error lands moves.
 
+AwqPass (AWQ) searches a scale per mapping on the float block and folds it, then clips the folded weights;
+the weight stage (gptq, or AWQ's own round-to-nearest) quantizes what it leaves.
+
 Each pass plans all blocks up front (so a recipe that cannot apply fails before any work), then offers
 `observe(i, block)` (hook handles for that forward), `apply(i, block)` (fold what was observed, return
 warnings) and `summary()` (one progress line), plus `notes` about the structure, reported once.
@@ -9,14 +12,18 @@ warnings) and `summary()` (one progress line), plus `notes` about the structure,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from .algorithms.smoothing import Mapping, fold
+from .algorithms import awq
+from .algorithms.grid import GridSpec
+from .algorithms.smoothing import Mapping, find_mappings, fold
 from .algorithms.smoothquant import channel_absmax, norm_mappings, smoothing_scale
 from .errors import QuantkitError
-from .model import matches
-from .recipe import SmoothQuant, Stage
+from .model import block_linears, matches
+from .recipe import AWQ, SmoothQuant, Stage
 
 
 class SmoothQuantPass:
@@ -80,8 +87,185 @@ class SmoothQuantPass:
         return warnings
 
 
-PASSES = {"smoothquant": SmoothQuantPass}
+# AWQ memory bounds. Clipping scores each Linear on a strided subsample of its input (AutoAWQ's
+# `_compute_best_clip` samples 512 tokens too), so only that is kept per Linear. The scale search of a
+# mapping scored on a module (q/k/v on self_attn, gate/up on the MLP) re-runs that module on its captured
+# input once per grid point; batches above MODULE_LOSS_TOKENS tokens keep an evenly strided subset of their
+# sequences for it (128 x 512 -> 32 x 512), bounding both the memory held and the search's compute.
+CLIP_TOKENS = 512
+MODULE_LOSS_TOKENS = 16384
 
 
-def build(stages: list[Stage], prefix: str, blocks: nn.ModuleList) -> list[SmoothQuantPass]:
+def _rows(obj: Any, rows: torch.Tensor, batch: int) -> Any:
+    """obj with every tensor of at least 2 dims whose first dim is the batch reduced to `rows`."""
+    if isinstance(obj, torch.Tensor):
+        return obj[rows.to(obj.device)] if obj.dim() >= 2 and obj.shape[0] == batch else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_rows(o, rows, batch) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _rows(v, rows, batch) for k, v in obj.items()}
+    return obj
+
+
+def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
+    x = x.detach().reshape(-1, x.shape[-1])
+    return x[:: max(1, x.shape[0] // n)][:n].clone()
+
+
+class AwqPass:
+    """AWQ for one recipe stage (a transform before gptq, or the weight stage before its own RTN).
+
+    One float forward of the block captures, per mapping (smoothing.find_mappings), the mean |x| of the
+    input channels, and either the input's Gram matrix (one Linear scored on its own output) or the
+    inspected module's call (q/k/v scored on self_attn, gate/up on the MLP); and per quantized Linear a
+    strided subsample of its input for clipping. apply() searches every mapping's scale on the float block
+    (as AutoAWQ does), folds them all, then clips each Linear's folded weight against its input / s."""
+
+    name = "awq"
+
+    def __init__(self, args: AWQ, path: str, prefix: str, blocks: nn.ModuleList):
+        self.args, self.path = args, path
+        self.spec = GridSpec(args.bits, args.group_size, args.sym)
+        self.mappings: list[list[Mapping]] = []
+        self.targets: list[dict[str, nn.Linear]] = []  # per block: short name -> Linear that gets quantized
+        self.block_names: list[str] = []
+        notes: set[str] = set()
+        found = 0
+        for i, block in enumerate(blocks):
+            where = f"{prefix}.{i}"
+            targets = {n: m for n, m in block_linears(block).items() if not matches(f"{where}.{n}", args.ignore)}
+            for n, m in targets.items():
+                if self.spec.group_size != -1 and m.in_features % self.spec.group_size:
+                    raise QuantkitError(f"{path}.group_size: {args.group_size} does not divide in_features "
+                                        f"{m.in_features} of {where}.{n}")
+            mappings, block_notes = find_mappings(block)
+            found += len(mappings)
+            notes.update(block_notes)
+            self.mappings.append([m for m in mappings if any(n in targets for n in m.names)])
+            self.targets.append(targets)
+            self.block_names.append(where)
+        if not found:
+            cls = type(blocks[0]).__name__
+            raise QuantkitError(f"{path}: no mapping to scale in {cls} ({'; '.join(sorted(notes))})")
+        if not any(self.mappings):
+            raise QuantkitError(f"{path}.ignore: every Linear of every mapping is ignored; nothing to scale")
+        self.notes = sorted(notes)
+        self.stats: dict[tuple[int, int], dict] = {}  # (block, mapping) -> sums / gram / captured call
+        self.inputs: dict[tuple[int, str], torch.Tensor] = {}  # (block, linear) -> input subsample
+        self.ratios: list[float] = []
+        self.clipped = 0
+
+    def summary(self) -> str:
+        mean = sum(self.ratios) / len(self.ratios) if self.ratios else float("nan")
+        return (f"{self.name}: {len(self.ratios)} mappings scaled (mean alpha {mean:.2f}, grid {self.args.grid}, "
+                f"duo_scaling {str(self.args.duo_scaling).lower()}), {self.clipped} Linear layers clipped")
+
+    def _quantized(self, i: int, m: Mapping) -> tuple[list[nn.Linear], list[str]]:
+        kept = [(lin, n) for lin, n in zip(m.linears, m.names) if n in self.targets[i]]
+        return [lin for lin, _ in kept], [n for _, n in kept]
+
+    def observe(self, i: int, block: nn.Module) -> list:
+        handles = []
+
+        def keep_input(name: str):
+            def pre_hook(module: nn.Module, inputs: tuple) -> None:
+                x = _subsample(inputs[0], CLIP_TOKENS)
+                old = self.inputs.get((i, name))
+                self.inputs[(i, name)] = x if old is None else _subsample(torch.cat([old, x]), CLIP_TOKENS)
+
+            return pre_hook
+
+        def statistics(key: tuple[int, int], gram: bool):
+            def pre_hook(module: nn.Module, inputs: tuple) -> None:
+                x = inputs[0].detach()
+                st = self.stats.setdefault(key, {"sum": 0, "count": 0})
+                n = x.numel() // x.shape[-1]
+                st["sum"] = st["sum"] + awq.activation_mean(x) * n
+                st["count"] += n
+                if gram:
+                    flat = x.reshape(-1, x.shape[-1])
+                    g = st.get("gram")
+                    if g is None:
+                        g = st["gram"] = torch.zeros(flat.shape[1], flat.shape[1], device=x.device)
+                    for part in flat.split(8192):
+                        part = part.float()
+                        g.addmm_(part.T, part)
+
+            return pre_hook
+
+        def call(key: tuple[int, int]):
+            def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                x = args[0] if args else kwargs.get("hidden_states")
+                if key in self.stats and "call" in self.stats[key]:
+                    raise QuantkitError(f"{self.path}: {module.__class__.__name__} ran twice in one block "
+                                        "forward; AWQ cannot score it")
+                if x is not None and x.dim() >= 2 and x.numel() // x.shape[-1] > MODULE_LOSS_TOKENS:
+                    batch = x.shape[0]
+                    keep = max(1, MODULE_LOSS_TOKENS // (x.numel() // x.shape[-1] // batch))
+                    rows = torch.linspace(0, batch - 1, keep).round().long().unique()
+                    args, kwargs = _rows(args, rows, batch), _rows(kwargs, rows, batch)
+                self.stats.setdefault(key, {"sum": 0, "count": 0})["call"] = (args, kwargs)
+
+            return pre_hook
+
+        for name, lin in self.targets[i].items():
+            handles.append(lin.register_forward_pre_hook(keep_input(name)))
+        for k, m in enumerate(self.mappings[i]):
+            single = len(m.linears) == 1 and m.inspect is m.linears[0]
+            handles.append(m.linears[0].register_forward_pre_hook(statistics((i, k), single)))
+            if not single:
+                handles.append(m.inspect.register_forward_pre_hook(call((i, k)), with_kwargs=True))
+        return handles
+
+    def apply(self, i: int, block: nn.Module) -> list[str]:
+        """Searches every mapping's scale on the float block, folds them, clips; returns a warning for each
+        mapping the calibration data never reached."""
+        warnings, found = [], []
+        for k, m in enumerate(self.mappings[i]):
+            where = f"{self.block_names[i]}.{m.prev_name}"
+            st = self.stats.pop((i, k), None)
+            if st is None or not st["count"] or ("gram" not in st and "call" not in st):
+                warnings.append(f"{where} -> {','.join(m.names)} was not reached by calibration data; left unscaled")
+                continue
+            linears, _ = self._quantized(i, m)
+            weights = [lin.weight.detach() for lin in linears]
+            if "gram" in st:
+                loss = awq.linear_loss(st["gram"] / st["count"], weights)
+            else:
+                args, kwargs = st["call"]
+                loss = awq.module_loss(lambda f=m.inspect, a=args, kw=kwargs: f(*a, **kw), linears)
+            try:
+                res = awq.search_scale(st["sum"] / st["count"], weights, self.spec, loss, self.args.grid,
+                                       self.args.duo_scaling)
+            except awq.NoFiniteLoss:
+                raise QuantkitError(f"{self.path}: no finite AWQ loss for {where} (activation overflow?); "
+                                    "use dtype: float32") from None
+            found.append((m, res.scale))
+            self.ratios.append(res.ratio)
+        for m, s in found:  # all searched on the float block first, as AutoAWQ does
+            try:
+                fold(m, s)
+            except ValueError:
+                raise QuantkitError(f"{self.path}: non-finite AWQ scale for {self.block_names[i]}.{m.prev_name}; "
+                                    "use dtype: float32") from None
+            for name in m.names:  # what the Linear reads from now on: x / s
+                x = self.inputs.get((i, name))
+                if x is not None:
+                    self.inputs[(i, name)] = x / s.to(x.device, x.dtype)
+        inputs = {name: self.inputs.pop((i, name), None) for name in self.targets[i]}
+        if self.args.clip:
+            with torch.no_grad():
+                for name, lin in self.targets[i].items():
+                    x = inputs[name]
+                    if x is None or not awq.clip_applies(name):
+                        continue
+                    lin.weight.copy_(awq.search_clip(lin.weight.detach(), x, self.spec, n_tokens=CLIP_TOKENS))
+                    self.clipped += 1
+        return warnings
+
+
+PASSES = {"smoothquant": SmoothQuantPass, "awq": AwqPass}
+
+
+def build(stages: list[Stage], prefix: str, blocks: nn.ModuleList) -> list[SmoothQuantPass | AwqPass]:
     return [PASSES[s.name](s.args, f"stages.{i}.{s.name}", prefix, blocks) for i, s in enumerate(stages)]

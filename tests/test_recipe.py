@@ -30,12 +30,14 @@ def test_defaults_follow_the_contract():
 @pytest.mark.parametrize("edit, expected", [
     (lambda d: d["stages"][0]["gptq"].update(bits=5), "stages.0.gptq.bits: Input should be 2, 3, 4 or 8 (got 5)"),
     (lambda d: d["stages"][0]["gptq"].update(group_size=48), "stages.0.gptq.group_size: Input should be -1, 32, 64, 128 or 256 (got 48)"),
-    (lambda d: d["stages"][0].update(awq={}), "stages.0: unknown key 'awq' (accepted: gptq, rtn, smoothquant)"),
+    (lambda d: d["stages"][0].update(awq={}), "stages.0: a stage is exactly one of: gptq, rtn, smoothquant, awq"),
+    (lambda d: d["stages"][0].update(fp4={}), "stages.0: unknown key 'fp4' (accepted: gptq, rtn, smoothquant, awq)"),
     (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, calibration, stages, export)"),
     (lambda d: d["stages"][0]["gptq"].update(damp=0), "stages.0.gptq.damp: Input should be greater than 0"),
     (lambda d: d["calibration"].update(num_samples="many"), "calibration.num_samples: Input should be a valid integer"),
     (lambda d: d.update(dtype="fp8"), "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'fp8')"),
-    (lambda d: d["export"].update(formats=["awq"]), "export.formats.0: Input should be 'gptq' or 'compressed-tensors'"),
+    (lambda d: d["export"].update(formats=["marlin"]),
+     "export.formats.0: Input should be 'gptq', 'compressed-tensors' or 'awq'"),
     (lambda d: d["stages"][0]["gptq"].update(bits=3), "stages.0.gptq.bits: 3 bits cannot be stored in compressed-tensors (it stores 4, 8)"),
     (lambda d: d.pop("calibration"), "calibration: required by the gptq stage"),
     (lambda d: d.pop("model"), "model: Field required"),
@@ -82,17 +84,17 @@ def test_transform_stages_then_one_weight_stage():
 @pytest.mark.parametrize("stages, edit, expected", [
     ([{"gptq": W8A8}, {"smoothquant": {}}], None,
      "stages.1.smoothquant: transform stages go before the weight stage (stages.0.gptq)"),
-    ([{"smoothquant": {}}], None, "stages: the last stage quantizes the weights (gptq, rtn); smoothquant only "
+    ([{"smoothquant": {}}], None, "stages: the last stage quantizes the weights (gptq, rtn, awq); smoothquant only "
                                   "transforms them"),
     ([{"gptq": W8A8}, {"rtn": W8A8}], None, "stages.0.gptq: one weight-quantizing stage per recipe, the last one "
-                                            "(stages.1 is rtn); only smoothquant may come before it"),
+                                            "(stages.1 is rtn); only smoothquant, awq may come before it"),
     ([{"smoothquant": {}}, {"rtn": W8A8}], lambda d: d.pop("calibration"),
      "calibration: required by the smoothquant stage"),
     ([{"smoothquant": {"alpha": 1}}, {"gptq": W8A8}], None,
      "stages.0.smoothquant.alpha: Input should be less than 1 (got 1)"),
     ([{"smoothquant": {"alpha": 0}}, {"gptq": W8A8}], None,
      "stages.0.smoothquant.alpha: Input should be greater than 0 (got 0)"),
-    ([{"smoothquant": {}, "gptq": W8A8}], None, "stages.0: a stage is exactly one of: gptq, rtn, smoothquant"),
+    ([{"smoothquant": {}, "gptq": W8A8}], None, "stages.0: a stage is exactly one of: gptq, rtn, smoothquant, awq"),
     ([{"gptq": dict(W8A8, bits=4)}], None, "stages.0.gptq.bits: W8A8 (activations) needs 8-bit weights: bits: 8"),
     ([{"smoothquant": {}}, {"gptq": dict(W8A8, group_size=64)}], None,
      "stages.1.gptq.group_size: W8A8 (activations) needs one scale per output channel: group_size: -1"),
@@ -152,7 +154,7 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=12,
 )
-field_names = st.sampled_from(["model", "dtype", "device", "calibration", "stages", "export", "gptq", "rtn",
+field_names = st.sampled_from(["model", "dtype", "device", "calibration", "stages", "export", "gptq", "rtn", "awq",
                                "smoothquant", "alpha", "activations", "type", "bits", "group_size", "formats",
                                "output", "num_samples", "x"])
 

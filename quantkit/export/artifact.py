@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import QuantkitError
-from . import compressed_tensors, gptq
+from . import awq, compressed_tensors, gptq
 from .base import Encoded, Fp8Weight, QuantInfo, QuantizedWeight
 
 WEIGHTS_NAME = "model.safetensors"
@@ -31,6 +31,10 @@ def encode(fmt: str, qweights: dict[str, QuantizedWeight | Fp8Weight], info: Qua
         if info.activations is not None:
             raise QuantkitError(f"export.formats: gptq stores weight-only quantization, not {info.activations} W8A8")
         return gptq.encode(qweights, info)
+    if fmt == "awq":
+        if info.activations is not None:
+            raise QuantkitError(f"export.formats: awq stores weight-only quantization, not {info.activations} W8A8")
+        return awq.encode(qweights, info)
     # compressed-tensors keeps int scales in the model's float dtype (FP8 scales stay float32); fp16-rounded values
     # are exact in float32 and float16 (bfloat16 would round them again, so those models get fp16 scales).
     return compressed_tensors.encode(qweights, info, torch.float32 if dtype == torch.float32 else torch.float16)
