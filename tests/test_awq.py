@@ -171,6 +171,38 @@ def test_awq_on_a_block_through_the_norm_fold(prev):
     assert float((out - ref).square().mean()) == pytest.approx(min(res.losses), rel=1e-3)
 
 
+def _clip_by_rtn(weight, x, spec, n_grid=20, max_shrink=0.5):
+    """search_clip written plainly (rtn_quantize per shrink, one group at a time): its reference."""
+    out, cols = weight.shape
+    span, groups = spec.span(cols), spec.groups(cols)
+    x = x.reshape(-1, cols)[:: max(1, x.shape[0] // 512)]
+    wg = weight.reshape(out, groups, span)
+    best_max = wg.abs().amax(-1, keepdim=True)
+    best_err = torch.full(best_max.shape, float("inf"))
+    for i in range(int(max_shrink * n_grid)):
+        m = wg.abs().amax(-1, keepdim=True) * (1 - i / n_grid)
+        q = rtn_quantize(wg.clamp(-m, m).reshape(out, cols), spec).dequantize().reshape(out, groups, span)
+        err = torch.einsum("tgs,ogs->otg", x.reshape(-1, groups, span), q - wg).square().mean(1)[..., None]
+        better = err < best_err
+        best_err, best_max = torch.where(better, err, best_err), torch.where(better, m, best_max)
+    return wg.clamp(-best_max, best_max).reshape(out, cols)
+
+
+@pytest.mark.parametrize("spec", [GridSpec(4, 32, False), GridSpec(4, 64, True), GridSpec(3, -1, False)])
+def test_fast_quantize_dequantize_and_clip_match_rtn_exactly(spec):
+    """The search's fused fake quantization is rtn_quantize(...).dequantize() bit for bit (so what a
+    candidate is scored on is what gets stored), and the clip search picks what plain RTN scoring picks."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=gen) * torch.rand(1, 128, generator=gen) * 3
+    w[3, :32] = 0  # an empty group
+    w[5] = w[5].abs()  # a group without negatives
+    s = torch.rand(128, generator=gen) + 0.5
+    assert torch.equal(awq.fake_quantize(w, s, spec), rtn_quantize(w * s, spec).dequantize() / s)
+    x = torch.randn(600, 128, generator=gen)
+    fast, plain = awq.search_clip(w, x, spec), _clip_by_rtn(w, x, spec)
+    assert torch.allclose(fast, plain, rtol=0, atol=1e-6) or (fast != plain).float().mean() < 0.01
+
+
 def test_clip_skips_query_and_key_only():
     assert [awq.clip_applies(n) for n in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                           "self_attn.o_proj", "mlp.down_proj", "fc1"]] == [

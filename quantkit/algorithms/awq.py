@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .grid import GridSpec
-from .rtn import rtn_quantize
+from .grid import GridSpec, params_from_range
 
 Loss = Callable[[list[torch.Tensor]], float]  # candidate weights (one per linear, float32) -> error
 
@@ -66,9 +65,24 @@ def candidate_scale(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: fl
     return torch.where(torch.isfinite(s), s, torch.ones_like(s))
 
 
+def quantize_dequantize(w: torch.Tensor, spec: GridSpec, lo: torch.Tensor | None = None,
+                        hi: torch.Tensor | None = None) -> torch.Tensor:
+    """rtn_quantize(w, spec).dequantize() of a float32 [rows, cols] w, bit for bit, without building the
+    QuantizedWeight (no uint8 / fp16 round trips; in-place steps). lo / hi: each (row, group)'s min and max
+    when the caller knows them (clipping), else computed."""
+    rows, cols = w.shape
+    g = w.reshape(-1, spec.span(cols))
+    if lo is None or hi is None:
+        lo, hi = torch.aminmax(g, dim=1)
+    scale, zero = params_from_range(lo.reshape(-1), hi.reshape(-1), spec)
+    scale, zero = scale[:, None], zero[:, None]
+    q = torch.div(g, scale).round_().add_(zero).clamp_(0, spec.maxq)
+    return q.sub_(zero).mul_(scale).view(rows, cols)
+
+
 def fake_quantize(weight: torch.Tensor, s: torch.Tensor, spec: GridSpec) -> torch.Tensor:
     """Q(W·s)/s in float32: the weight the float block sees once s is folded and W·s quantized."""
-    return rtn_quantize(weight.float() * s, spec).dequantize() / s
+    return quantize_dequantize(weight.float() * s, spec).div_(s)
 
 
 @torch.no_grad()
@@ -86,12 +100,14 @@ def search_scale(
     ws = [w.float() for w in weights]
     x_mean = x_mean.float().flatten().to(ws[0].device)
     w_mean = weight_mean(ws, spec) if duo_scaling else None
+    w_all = torch.cat(ws)  # rows quantize independently: one call for q/k/v (or gate/up) per candidate
+    rows = [w.shape[0] for w in ws]
     losses: list[float] = []
     best: tuple[float, torch.Tensor, float] | None = None
     for i in range(n_grid):
         ratio = i / n_grid
         s = candidate_scale(x_mean, w_mean, ratio)
-        value = loss([fake_quantize(w, s, spec) for w in ws])
+        value = loss(list(fake_quantize(w_all, s, spec).split(rows)))
         losses.append(value)
         if math.isfinite(value) and (best is None or value < best[0]):
             best = (value, s, ratio)
@@ -181,16 +197,20 @@ def search_clip(
     clipped = torch.empty_like(w)
     for r in range(0, out, rows_per_batch):
         wb = w[r : r + rows_per_batch].reshape(-1, groups, span)
-        org_max = wb.abs().amax(dim=-1, keepdim=True)  # [rows, groups, 1]
+        lo, hi = torch.aminmax(wb, dim=-1)  # [rows, groups]
+        org_max = torch.maximum(lo.abs(), hi)  # = max |w| of the group
         best_max = org_max.clone()
-        best_err = torch.full(org_max.shape[:2], float("inf"), device=w.device)
+        best_err = torch.full(org_max.shape, float("inf"), device=w.device)
         for i in range(int(max_shrink * n_grid)):
             max_val = org_max * (1 - i / n_grid)
-            q = rtn_quantize(wb.clamp(-max_val, max_val).reshape(-1, cols), spec).dequantize().view_as(wb)
-            d = (q - wb).transpose(0, 1)  # [groups, rows, span]
+            # min / max of the clamped group are the clamped min / max: no reduction per candidate
+            clamped = wb.clamp(-max_val[..., None], max_val[..., None])
+            q = quantize_dequantize(clamped.view(-1, cols), spec, lo.clamp(-max_val, max_val),
+                                    hi.clamp(-max_val, max_val)).view_as(wb)
+            d = q.sub_(wb).transpose(0, 1)  # [groups, rows, span]
             err = ((d @ gram) * d).sum(-1).T  # [rows, groups]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_max[better] = max_val[better]
-        clipped[r : r + rows_per_batch] = wb.clamp(-best_max, best_max).reshape(-1, cols)
+            best_max = torch.where(better, max_val, best_max)
+        clipped[r : r + rows_per_batch] = wb.clamp(-best_max[..., None], best_max[..., None]).reshape(-1, cols)
     return clipped.to(weight.dtype)

@@ -62,10 +62,15 @@ class QuantizedWeight:
 
 def find_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Min-max scale and zero for each row of w [rows, cols] (one group). Returns float32 scale, zero."""
-    w = w.float()
-    zeros = torch.zeros(w.shape[0], device=w.device)
-    xmin = torch.minimum(w.min(dim=1).values, zeros)
-    xmax = torch.maximum(w.max(dim=1).values, zeros)
+    xmin, xmax = torch.aminmax(w.float(), dim=1)
+    return params_from_range(xmin, xmax, spec)
+
+
+def params_from_range(xmin: torch.Tensor, xmax: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """find_params from each row's float32 min and max (so callers that know them skip the reductions)."""
+    zeros = torch.zeros_like(xmin)
+    xmin = torch.minimum(xmin, zeros)
+    xmax = torch.maximum(xmax, zeros)
     if spec.sym:
         xmax = torch.maximum(xmin.abs(), xmax)
         xmin = -xmax
