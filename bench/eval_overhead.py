@@ -4,6 +4,8 @@
 
 (a) in process, same loaded model: a bare `model(input_ids=window).logits` loop vs quantkit's model pass
     (forward + log-softmax + KLD / top-token / Δp against the cached base top-k), interleaved, median of reps;
+Each timing is wall seconds and CPU seconds (process + child CPU time, all threads); on a shared machine the CPU
+seconds are the stable measure.
 (b) end to end, as subprocesses: `quantkit eval ART --base ORIG --no-generation` (base cached) vs a script that
     loads ART with plain `transformers.AutoModelForCausalLM.from_pretrained` (compressed-tensors) and runs the
     same windows. The base cache is filled first and not counted.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -61,34 +64,46 @@ def main() -> None:
         fill_base_cache(entry, parts, args.base, "wikitext2", args.max_tokens, ids, args.seq_len, 256, cpu, quiet,
                         runtime.load(args.base))
 
-    plain, ours = [], []
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        for _w in window_logits(loaded.model, ids, args.seq_len, quiet, "plain", cpu):
-            pass
-        plain.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        distribution_shift(loaded.model, entry, ids, args.seq_len, 256, cpu, quiet)
-        ours.append(time.perf_counter() - t)
+    def timed(fn) -> tuple[float, float]:
+        """(wall s, CPU s of this process and its children)"""
+        def cpu() -> float:
+            return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                       for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        w, c = time.perf_counter(), cpu()
+        fn()
+        return time.perf_counter() - w, cpu() - c
 
-    e2e_plain, e2e_ours = [], []
+    def plain_pass():
+        for _w in window_logits(loaded.model, ids, args.seq_len, quiet, "plain", cpu_dev):
+            pass
+
+    cpu_dev = cpu
+    runs = {"plain_forward": [], "quantkit_model_pass": [], "transformers_load_and_forward": [],
+            "quantkit_eval_cached_base": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.reps):
-            out = subprocess.run([sys.executable, "-c", PLAIN, args.artifact, str(args.max_tokens), str(args.seq_len)],
-                                 check=True, capture_output=True, text=True)
-            e2e_plain.append(float(out.stdout.strip().splitlines()[-1]))
-            t = time.perf_counter()
-            subprocess.run(["quantkit", "eval", args.artifact, "--base", args.base, "--no-generation", "--quiet",
-                            "--max-tokens", str(args.max_tokens), "--seq-len", str(args.seq_len),
-                            "--json", f"{tmp}/e.json"], check=True, capture_output=True)
-            e2e_ours.append(time.perf_counter() - t)
+        for _ in range(args.reps):  # interleaved, so drifting load hits both sides alike
+            runs["plain_forward"].append(timed(plain_pass))
+            runs["quantkit_model_pass"].append(
+                timed(lambda: distribution_shift(loaded.model, entry, ids, args.seq_len, 256, cpu, quiet)))
+            runs["transformers_load_and_forward"].append(timed(lambda: subprocess.run(
+                [sys.executable, "-c", PLAIN, args.artifact, str(args.max_tokens), str(args.seq_len)],
+                check=True, capture_output=True)))
+            runs["quantkit_eval_cached_base"].append(timed(lambda: subprocess.run(
+                ["quantkit", "eval", args.artifact, "--base", args.base, "--no-generation", "--quiet",
+                 "--max-tokens", str(args.max_tokens), "--seq-len", str(args.seq_len), "--json", f"{tmp}/e.json"],
+                check=True, capture_output=True)))
     med = statistics.median
+
+    def ratio(a: str, b: str, k: int) -> float:
+        return med(r[k] for r in runs[a]) / med(r[k] for r in runs[b])
+
     result = {
         "windows": ids.numel() // args.seq_len, "seq_len": args.seq_len, "threads": torch.get_num_threads(),
-        "in_process_s": {"plain_forward": plain, "quantkit_model_pass": ours,
-                         "ratio_median": med(ours) / med(plain)},
-        "end_to_end_s": {"transformers_load_and_forward": e2e_plain, "quantkit_eval_cached_base": e2e_ours,
-                         "ratio_median": med(e2e_ours) / med(e2e_plain)},
+        "runs_wall_cpu_s": runs,
+        "in_process_ratio": {"wall": ratio("quantkit_model_pass", "plain_forward", 0),
+                             "cpu": ratio("quantkit_model_pass", "plain_forward", 1)},
+        "end_to_end_ratio": {"wall": ratio("quantkit_eval_cached_base", "transformers_load_and_forward", 0),
+                             "cpu": ratio("quantkit_eval_cached_base", "transformers_load_and_forward", 1)},
     }
     print(json.dumps(result, indent=2))
 
