@@ -8,6 +8,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_tiny_model  # noqa: E402
 
 
+@pytest.fixture
+def one_thread():
+    """Tensors in the AWQ / SmoothQuant tests are tiny: extra CPU threads only add sync overhead, and stall on a
+    busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")

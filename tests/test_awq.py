@@ -34,13 +34,7 @@ OPT = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors here are tiny: extra CPU threads only add sync overhead, and stall on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one CPU thread
 
 
 def tiny(arch: str, gqa: bool = True, **overrides) -> nn.Module:

@@ -28,12 +28,7 @@ RECIPES = {  # name: (stages, formats)
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one CPU thread
 
 
 def add_outliers(model: nn.Module, factor: float = 30.0) -> nn.Module:
@@ -66,7 +61,7 @@ def artifacts(outlier_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("awq-art")
     mp = pytest.MonkeyPatch()
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # module fixtures run before the autouse one_thread
+    torch.set_num_threads(1)  # module fixtures run before the one_thread fixture
     try:
         for name in RECIPES:
             assert run_cli(mp, "quantize", recipe_file(out, outlier_llama, name), "--quiet") == 0

@@ -27,13 +27,7 @@ OUTLIERS = [3, 17, 40]  # input channels whose norm weight is scaled x50: LLM-st
 SMOOTHED = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors here are tiny: extra CPU threads only add sync overhead, and stall on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one CPU thread
 
 
 def gen(seed):
