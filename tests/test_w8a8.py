@@ -112,16 +112,19 @@ def test_per_token_fp8_quantization():
 
 
 # ------------------------------------------------------------------------------------------- layers
-@pytest.mark.parametrize("shape", [(5, 7, 3), (17, 16, 16), (33, 64, 48), (2, 4096, 8)])
-def test_int_mm_equals_the_exact_fallback(shape):
+@pytest.mark.parametrize("shape", [(5, 7, 3), (17, 16, 16), (33, 64, 48), (2, 1024, 8), (2, 4096, 8), (3, 2500, 5)])
+def test_int8_gemm_paths_are_exact(shape):
     m, k, n = shape
     a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen(k))
     b = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen(n))
     if k == 4096:
         a[:], b[:] = -128, -128  # the largest sum int32 accumulation must hold: 4096 * 2^14
+    if k == 1024:
+        a[:], b[:] = -128, -128  # the largest float32 chunk: 1024 * 2^14 = 2^24, still exact
     acc, path = int8_mm(a, b.t())
-    assert path == "_int_mm"  # the CPU kernel takes every shape (CUDA wants M > 16, K and N multiples of 8)
+    assert path == "fp32-chunked"  # CPU: torch._int_mm's CPU kernel is ~15x slower than float32 GEMMs
     assert acc.dtype == torch.int32 and torch.equal(acc, int8_mm_exact(a, b.t()))
+    assert torch.equal(acc, torch._int_mm(a, b.t()))
     assert torch.equal(acc.long(), a.long() @ b.long().t())
 
 
@@ -131,7 +134,7 @@ def test_int8_linear_equals_float_reference():
     layer = Int8Linear.from_linear(lin)
     x = torch.randn(3, 7, 64, generator=gen(5))
     y = layer(x)
-    assert layer.path == "_int_mm" and y.shape == (3, 7, 48) and y.dtype == torch.float32
+    assert layer.path == "fp32-chunked" and y.shape == (3, 7, 48) and y.dtype == torch.float32
     qw = rtn_quantize(lin.weight.detach(), INT8_CHANNEL)
     codes, scale = quantize_tokens_int8(x.reshape(-1, 64))
     ref = (codes.double() * scale.double()) @ qw.dequantize(torch.float64).t() + lin.bias.double()

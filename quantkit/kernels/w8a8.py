@@ -2,7 +2,7 @@
 
 The arithmetic vLLM runs for compressed-tensors int-quantized / float-quantized checkpoints, in plain torch:
   int8: a token's scale is max|x| / 127 (vLLM's dynamic per-token int8 quant), codes multiply int8 x int8 -> int32
-        (torch._int_mm, exact), and the int32 sums are rescaled by token scale x channel scale.
+        (torch._int_mm on CUDA; on CPU exact float32 GEMMs over K-chunks, see int8_mm), and the int32 sums are rescaled by token scale x channel scale.
   FP8:  a token's scale is max|x| / 448 (floored at 1/(448·512) as vLLM does), e4m3 x e4m3 through
         torch._scaled_mm with those row / column scales on CUDA; elsewhere an emulation that dequantizes both
         operands to float32 and multiplies them.
@@ -54,17 +54,33 @@ def int8_mm_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double()).to(torch.int32)
 
 
+FP32_EXACT_K = 1024  # |a·b| <= 128·128 = 2^14 per product, so up to 1024 of them sum below 2^24: exact in float32
+
+
+def int8_mm_fp32_chunked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a int8 [M, K] @ b int8 [K, N] -> int32 through float32 GEMMs over K-chunks of at most 1024, each exact
+    (integers below 2^24), summed in int32. On CPU this is ~15x faster than torch._int_mm, whose CPU kernel is a
+    reference loop (SmolLM2 down_proj, 2048 tokens: 1.15 s vs 0.066 s), and bit-identical to it."""
+    acc = None
+    for k in range(0, a.shape[1], FP32_EXACT_K):
+        part = (a[:, k : k + FP32_EXACT_K].float() @ b[k : k + FP32_EXACT_K].float()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    return acc
+
+
 def _int_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device.type == "cpu":
-        return True  # the CPU kernel takes any shape
     # cuBLASLt's int8 GEMM (torch's _int_mm_out_cuda checks): M > 16, K and N multiples of 8
     return a.device.type == "cuda" and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0
 
 
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """a int8 [M, K] @ b int8 [K, N] -> exact int32 [M, N], and which path ran ('_int_mm' or 'float64')."""
+    """a int8 [M, K] @ b int8 [K, N] -> exact int32 [M, N], and which path ran:
+    '_int_mm' (cuBLASLt int8 GEMM), 'fp32-chunked' (CPU) or 'float64' (CUDA shapes cuBLASLt refuses; float64
+    because CUDA float32 GEMMs may run in TF32)."""
     if _int_mm_takes(a, b):
         return torch._int_mm(a, b), "_int_mm"
+    if a.device.type == "cpu":
+        return int8_mm_fp32_chunked(a, b), "fp32-chunked"
     return int8_mm_exact(a, b), "float64"
 
 
