@@ -1,4 +1,5 @@
-"""quantkit command line: `quantkit quantize RECIPE`, `quantkit eval MODEL`, `quantkit report A B ...`."""
+"""quantkit command line: `quantkit quantize RECIPE`, `quantkit eval MODEL`, `quantkit report A B ...`,
+`quantkit bench ARTIFACT`."""
 
 from __future__ import annotations
 
@@ -214,6 +215,57 @@ def report(items, out_dir, **kw) -> None:
     for png in plots(bodies, out):
         rep.info(f"wrote {png}")
     click.echo(f"report: {out / 'report.md'}")
+
+
+def _batches(ctx, param, value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(b) for b in value.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"expected positive integers separated by commas, got '{value}'")
+    return out
+
+
+@cli.command()
+@click.argument("artifact", metavar="ARTIFACT")
+@click.option("--baseline", metavar="ORIGINAL", help="The original model, benched in the same run for ratios.")
+@click.option("--batch", "batches", default="1,8,32", show_default=True, callback=_batches, help="Batch sizes.")
+@click.option("--prompt-len", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--gen-len", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]), show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Compute dtype of the artifact (auto: bfloat16 on CUDA, float32 on CPU).")
+@click.option("--baseline-dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Dtype of the original (auto: bfloat16 on CUDA, float32 on CPU).")
+@click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1), help="Timed repetitions.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Also run each model with a static KV cache and torch.compile (CUDA graphs on GPU), side by side.")
+@click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+@click.option("--json", "json_out", metavar="FILE", help="Write the results (stable keys) here.")
+@click.option("--markdown", "md_out", metavar="FILE", help="Write the markdown tables here.")
+def bench(artifact, baseline, batches, prompt_len, gen_len, device, dtype, baseline_dtype, reps, compile_, quiet,
+          json_out, md_out) -> None:
+    """Memory and tokens/s of ARTIFACT on the device with real low-bit kernels (and of the original with
+    --baseline), a roofline of each decode run; results also go into the artifact's quantkit.json."""
+    from .bench.runner import BenchOptions, markdown, record_in_manifest, run_bench
+
+    if not Path(artifact).exists():
+        raise QuantkitError(f"ARTIFACT: not found: {artifact}")
+    o = BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len, device=device,
+                     dtype=dtype, baseline_dtype=baseline_dtype, reps=reps, compile=compile_)
+    rep = Reporter(quiet)
+    body = run_bench(artifact, o, rep)
+    body["versions"] = package_versions()
+    table = markdown(body)
+    click.echo(table)
+    manifest = record_in_manifest(artifact, body)
+    if manifest:
+        rep.info(f"recorded in {manifest}")
+    write_json(json_out, body)
+    if md_out:
+        Path(md_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(md_out).write_text(table + "\n")
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Load an artifact back into a plain torch model so eval measures exactly what ships.
 
-Weight-only artifacts (gptq, awq, compressed-tensors pack-quantized): quantized Linear weights are unpacked from the files and dequantized into ordinary
-nn.Linear weights (fast low-bit kernels are the bench's business). W8A8 artifacts (compressed-tensors
+Weight-only artifacts (gptq, awq, compressed-tensors pack-quantized): quantized Linear weights are unpacked
+from the files and dequantized into ordinary nn.Linear weights, or, with `int4_device` (the bench), kept as
+4-bit codes in W4Linear layers that run PyTorch's int4 kernels on that device. W8A8 artifacts (compressed-tensors
 int-quantized / float-quantized) get Int8Linear / Fp8Linear layers, which quantize their inputs per token
 as vLLM does, so eval measures quantized activations too. Plain HF folders and GGUF files load as originals.
 """
@@ -19,6 +20,7 @@ from torch import nn
 from .errors import QuantkitError
 from .export import awq, compressed_tensors, gptq
 from .export.base import Fp8Weight, QuantizedWeight, split_by_module
+from .kernels.w4a16 import supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
 
@@ -71,13 +73,9 @@ def quantized_state_dict(
     return state, {prefix: decode(parts, qcfg) for prefix, parts in modules.items()}
 
 
-def dequantized_state_dict(folder: Path, fmt: str, qcfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    state, qweights = quantized_state_dict(folder, fmt, qcfg, dtype)
-    return state | {f"{prefix}.weight": qw.dequantize(dtype) for prefix, qw in qweights.items()}
-
-
-def load(path: str, dtype: str = "auto") -> Loaded:
-    """An artifact folder, an HF folder, a GGUF file or a hub id, as a torch model on CPU."""
+def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None) -> Loaded:
+    """An artifact folder, an HF folder, a GGUF file or a hub id, as a torch model on CPU. With int4_device, 4-bit
+    weight-only Linears become W4Linear layers whose buffers already live on that device (move the rest after)."""
     fmt = artifact_format(path)
     if fmt is None:
         return load_model(path, dtype)
@@ -94,15 +92,18 @@ def load(path: str, dtype: str = "auto") -> Loaded:
     config = AutoConfig.for_model(**raw)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=want)
+    state, qweights = quantized_state_dict(folder, fmt, qcfg, want)
     w8a8 = fmt == "compressed-tensors" and compressed_tensors.format_of(qcfg) in W8A8_FORMATS
     if w8a8:  # the quantized weights go into W8A8 layers below, not into the float Linears
-        state, qweights = quantized_state_dict(folder, fmt, qcfg, want)
-        loaded_later = {f"{prefix}.weight" for prefix in qweights}
+        kept = qweights
+    elif int4_device is not None:
+        kept = {name: qw for name, qw in qweights.items() if supports(qw, int4_device) is None}
     else:
-        state, loaded_later = dequantized_state_dict(folder, fmt, qcfg, want), set()
+        kept = {}
+    state |= {f"{prefix}.weight": qw.dequantize(want) for prefix, qw in qweights.items() if prefix not in kept}
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
-    missing = set(missing) - tied - loaded_later
+    missing = set(missing) - tied - {f"{prefix}.weight" for prefix in kept}
     if missing or unexpected:
         raise QuantkitError(
             f"{path}: tensors do not match the config (missing {sorted(missing)[:3]}, "
@@ -111,5 +112,7 @@ def load(path: str, dtype: str = "auto") -> Loaded:
     model.tie_weights()
     if w8a8:
         swap_w8a8_linears(model, qweights)
+    elif kept:
+        swap_w4a16_linears(model, kept, int4_device)
     model.eval()
     return Loaded(model, AutoTokenizer.from_pretrained(str(folder)), str(folder))

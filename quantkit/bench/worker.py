@@ -1,0 +1,134 @@
+"""Bench one model in this process: `python -m quantkit.bench.worker SPEC.json OUT.json`.
+
+The runner starts one worker per model so that each model's peak memory is its own (a process's RSS never
+shrinks back after a bigger model was freed) and the base never shares the device with the artifact."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import QuantkitError
+from ..progress import Reporter
+from .decode import decode_step_flops, generate_timed, kv_cache_bytes, tensor_bytes
+from .monitor import Sampler, gpu_utilization_probe, rss_bytes
+
+
+@dataclass
+class WorkerSpec:
+    name: str  # "model" | "base"
+    path: str
+    dtype: str  # float32 | bfloat16 | float16
+    device: str  # cpu | cuda
+    batches: list[int]
+    prompt_len: int
+    gen_len: int
+    reps: int
+    compile: bool
+    seed: int = 0
+    quiet: bool = False
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def kernels_used(model: nn.Module, device: torch.device) -> dict[str, int]:
+    """Which matmul each Linear-like layer ran in its last forward, counted."""
+    from ..kernels.w4a16 import W4Linear, kernel_name
+
+    names = []
+    for m in model.modules():
+        if isinstance(m, W4Linear):
+            names.append(kernel_name(device))
+        elif hasattr(m, "path") and hasattr(m, "weight_scale"):  # Int8Linear / Fp8Linear
+            names.append(f"{type(m).__name__}:{m.path}")
+        elif isinstance(m, nn.Linear):
+            names.append(f"F.linear:{str(m.weight.dtype).removeprefix('torch.')}")
+    return dict(sorted(Counter(names).items()))
+
+
+def load(spec: WorkerSpec, device: torch.device) -> nn.Module:
+    from .. import runtime
+
+    loaded = runtime.load(spec.path, spec.dtype, int4_device=device)
+    return loaded.model.to(device=device)
+
+
+def bench(spec: WorkerSpec, rep: Reporter) -> dict:
+    device = torch.device(spec.device)
+    dtype = getattr(torch, spec.dtype)
+    torch.manual_seed(spec.seed)
+    model = load(spec, device)
+    sizes = tensor_bytes(model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    variants = [("eager", model.forward, False)]
+    if spec.compile:
+        mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs where there is a GPU
+        variants.append(("compiled", torch.compile(model.forward, mode=mode, dynamic=False), True))
+    gpu_probe = gpu_utilization_probe(device.index or 0) if device.type == "cuda" else None
+    runs = []
+    for variant, forward, static in variants:
+        for batch in spec.batches:
+            prompt = torch.randint(vocab, (batch, spec.prompt_len), generator=torch.Generator().manual_seed(spec.seed))
+            prompt = prompt.to(device)
+            rep.info(f"[{spec.name}] {variant} batch {batch}: warm-up")
+            generate_timed(model, forward, prompt, min(spec.gen_len, 8) if not static else spec.gen_len, static)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            rss = Sampler(rss_bytes, 0.005).start()
+            util = Sampler(gpu_probe, 0.02) if gpu_probe else None
+            timings = []
+            for r in range(spec.reps):
+                if util and r == 0:
+                    util.start()
+                timings.append(generate_timed(model, forward, prompt, spec.gen_len, static))
+                if util and r == 0:
+                    util.stop()
+            rss_peak = max(rss.stop())
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_peak
+            decode = [t.decode_s for t in timings]
+            context = spec.prompt_len + spec.gen_len // 2  # the mean cache length a decode step reads
+            kv_read = kv_cache_bytes(model.config, batch, context, dtype)
+            run = {
+                "name": spec.name,
+                "variant": variant,
+                "batch": batch,
+                "prefill_tok_s": spread([batch * spec.prompt_len / t.prefill_s for t in timings]),
+                "decode_tok_s": spread([batch * spec.gen_len / s for s in decode]),
+                "ms_per_token": spread([1000 * s / spec.gen_len for s in decode]),
+                "weight_bytes": sizes["total"],
+                "peak_mem_bytes": int(peak),
+                "kv_cache_bytes": kv_cache_bytes(model.config, batch, spec.prompt_len + spec.gen_len, dtype),
+                "bytes_per_decode_step": sizes["total"] - sizes["embedding"] + kv_read,
+                "flops_per_decode_step": decode_step_flops(model, batch, context),
+                "gpu_util_pct": statistics.mean(util.values) if util and util.values else None,
+            }
+            runs.append(run)
+            rep.info(f"[{spec.name}] {variant} batch {batch}: prefill {run['prefill_tok_s']['median']:.1f} tok/s, "
+                     f"decode {run['decode_tok_s']['median']:.1f} tok/s ({run['ms_per_token']['median']:.2f} ms/step)")
+    return {"name": spec.name, "path": spec.path, "dtype": spec.dtype, "kernels": kernels_used(model, device),
+            "weight_bytes": sizes["total"], "runs": runs}
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    spec = WorkerSpec(**json.loads(open(spec_path).read()))
+    try:
+        body = bench(spec, Reporter(spec.quiet))
+    except QuantkitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    with open(out_path, "w") as f:
+        json.dump(body, f)
+
+
+if __name__ == "__main__":
+    main()
+
