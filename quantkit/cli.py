@@ -228,7 +228,7 @@ def _batches(ctx, param, value: str) -> tuple[int, ...]:
 
 
 @cli.command()
-@click.argument("artifact", metavar="ARTIFACT")
+@click.argument("artifacts", nargs=-1, required=True, metavar="ARTIFACT...")
 @click.option("--baseline", metavar="ORIGINAL", help="The original model, benched in the same run for ratios.")
 @click.option("--batch", "batches", default="1,8,32", show_default=True, callback=_batches, help="Batch sizes.")
 @click.option("--prompt-len", default=512, show_default=True, type=click.IntRange(min=1))
@@ -244,24 +244,26 @@ def _batches(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 @click.option("--json", "json_out", metavar="FILE", help="Write the results (stable keys) here.")
 @click.option("--markdown", "md_out", metavar="FILE", help="Write the markdown tables here.")
-def bench(artifact, baseline, batches, prompt_len, gen_len, device, dtype, baseline_dtype, reps, compile_, quiet,
+def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, baseline_dtype, reps, compile_, quiet,
           json_out, md_out) -> None:
-    """Memory and tokens/s of ARTIFACT on the device with real low-bit kernels (and of the original with
-    --baseline), a roofline of each decode run; results also go into the artifact's quantkit.json."""
+    """Memory and tokens/s of each ARTIFACT on the device with real low-bit kernels (and of the original with
+    --baseline, once), a roofline of each decode run; results also go into each artifact's quantkit.json."""
     from .bench.runner import BenchOptions, markdown, record_in_manifest, run_bench
 
-    if not Path(artifact).exists():
-        raise QuantkitError(f"ARTIFACT: not found: {artifact}")
+    for artifact in artifacts:
+        if not Path(artifact).exists():
+            raise QuantkitError(f"ARTIFACT: not found: {artifact}")
     o = BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len, device=device,
                      dtype=dtype, baseline_dtype=baseline_dtype, reps=reps, compile=compile_)
     rep = Reporter(quiet)
-    body = run_bench(artifact, o, rep)
+    body = run_bench(list(artifacts), o, rep)
     body["versions"] = package_versions()
     table = markdown(body)
     click.echo(table)
-    manifest = record_in_manifest(artifact, body)
-    if manifest:
-        rep.info(f"recorded in {manifest}")
+    for artifact in artifacts:
+        manifest = record_in_manifest(artifact, body)
+        if manifest:
+            rep.info(f"recorded in {manifest}")
     write_json(json_out, body)
     if md_out:
         Path(md_out).parent.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,7 @@ def diagnose(run: dict, copy_bw: float, flops: float) -> dict:
         bound = "overhead-bound"
         why = (f"weights + KV at peak bandwidth explain {bw_pct:.0f} % of the step and FLOPs {flop_pct:.0f} %: "
                "the rest is kernel launches and framework work between them")
-    return {"name": run["name"], "variant": run["variant"], "batch": run["batch"],
+    return {"name": run["name"], "path": run["path"], "variant": run["variant"], "batch": run["batch"],
             "achieved_bw_bytes_s": run["bytes_per_decode_step"] / step_s, "bw_pct_of_peak": bw_pct,
             "flops_pct_of_peak": flop_pct, "gpu_util_pct": run.get("gpu_util_pct"), "bound": bound, "why": why}
 
@@ -97,7 +97,7 @@ def ratios(runs: list[dict]) -> list[dict]:
         b = base.get((r["variant"], r["batch"]))
         if r["name"] != "model" or b is None:
             continue
-        out.append({"variant": r["variant"], "batch": r["batch"],
+        out.append({"path": r["path"], "variant": r["variant"], "batch": r["batch"],
                     "decode_speedup": r["decode_tok_s"]["median"] / b["decode_tok_s"]["median"],
                     "prefill_speedup": r["prefill_tok_s"]["median"] / b["prefill_tok_s"]["median"],
                     "weight_bytes_ratio": r["weight_bytes"] / b["weight_bytes"],
@@ -105,7 +105,7 @@ def ratios(runs: list[dict]) -> list[dict]:
     return out
 
 
-def run_bench(artifact: str, o: BenchOptions, rep: Reporter) -> dict:
+def run_bench(artifacts: list[str], o: BenchOptions, rep: Reporter) -> dict:
     device = pick_device(o.device)
     dtype, base_dtype = auto_dtype(o.dtype, device), auto_dtype(o.baseline_dtype, device)
     rep.info(f"bench on {device_name(device)}: measuring peak copy bandwidth and {dtype} matmul FLOP/s")
@@ -114,7 +114,7 @@ def run_bench(artifact: str, o: BenchOptions, rep: Reporter) -> dict:
     rep.info(f"peak copy {copy_bw / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s")
     common = dict(device=device.type, batches=list(o.batches), prompt_len=o.prompt_len, gen_len=o.gen_len,
                   reps=o.reps, compile=o.compile, quiet=rep.quiet)
-    models = [run_worker(WorkerSpec(name="model", path=artifact, dtype=dtype, **common))]
+    models = [run_worker(WorkerSpec(name="model", path=a, dtype=dtype, **common)) for a in artifacts]
     if o.baseline:
         models.append(run_worker(WorkerSpec(name="base", path=o.baseline, dtype=base_dtype, **common)))
     runs = [r for m in models for r in m.pop("runs")]
@@ -124,7 +124,7 @@ def run_bench(artifact: str, o: BenchOptions, rep: Reporter) -> dict:
         "settings": {"batches": list(o.batches), "prompt_len": o.prompt_len, "gen_len": o.gen_len, "reps": o.reps,
                      "compile": o.compile, "dtype": dtype, "baseline_dtype": base_dtype},
         "peaks": {"copy_bw_bytes_s": copy_bw, "matmul_flops": flops, "matmul_dtype": dtype},
-        "models": {m["name"]: m for m in models},
+        "models": models,
         "runs": runs,
         "ratios": ratios(runs),
         "roofline": [diagnose(r, copy_bw, flops) for r in runs],
@@ -137,25 +137,25 @@ def markdown(body: dict) -> str:
              f"{body['peaks']['matmul_dtype']} matmul {body['peaks']['matmul_flops'] / 1e12:.2f} TFLOP/s (measured). "
              f"Prompt {body['settings']['prompt_len']}, {body['settings']['gen_len']} generated tokens, "
              f"median of {body['settings']['reps']} (min–max).", ""]
-    for name, m in body["models"].items():
+    for m in body["models"]:
         kernels = ", ".join(f"{k} ×{n}" for k, n in m["kernels"].items())
-        lines.append(f"- {name}: `{m['path']}` ({m['dtype']}): {kernels}")
-    lines += ["", "| model | variant | batch | prefill tok/s | decode tok/s | ms/token | weights MB | peak mem MB "
-              "| KV MB | decode BW % peak | bound |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines.append(f"- {m['name']} `{m['path']}` ({m['dtype']}): {kernels}")
+    lines += ["", "| model | path | variant | batch | prefill tok/s | decode tok/s | ms/token | weights MB | peak mem MB "
+              "| KV MB | decode BW % peak | bound |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r, d in zip(body["runs"], body["roofline"]):
         ms = r["ms_per_token"]
         lines.append(
-            f"| {r['name']} | {r['variant']} | {r['batch']} | {r['prefill_tok_s']['median']:.0f} "
+            f"| {r['name']} | {Path(r['path']).name} | {r['variant']} | {r['batch']} | {r['prefill_tok_s']['median']:.0f} "
             f"| {r['decode_tok_s']['median']:.1f} | {ms['median']:.2f} ({ms['min']:.2f}–{ms['max']:.2f}) "
             f"| {r['weight_bytes'] / mb:.1f} | {r['peak_mem_bytes'] / mb:.0f} | {r['kv_cache_bytes'] / mb:.1f} "
             f"| {d['bw_pct_of_peak']:.0f} | {d['bound']} |")
     if body["ratios"]:
-        lines += ["", "| variant | batch | decode speedup | prefill speedup | weight bytes | peak memory |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "| model vs base | variant | batch | decode speedup | prefill speedup | weight bytes | peak memory |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
         for q in body["ratios"]:
-            lines.append(f"| {q['variant']} | {q['batch']} | {q['decode_speedup']:.2f}× | {q['prefill_speedup']:.2f}× "
+            lines.append(f"| {Path(q['path']).name} | {q['variant']} | {q['batch']} | {q['decode_speedup']:.2f}× | {q['prefill_speedup']:.2f}× "
                          f"| {100 * q['weight_bytes_ratio']:.1f} % | {100 * q['peak_mem_ratio']:.1f} % |")
-    lines += [""] + [f"- {d['name']} {d['variant']} batch {d['batch']}: {d['bound']} — {d['why']}"
+    lines += [""] + [f"- {d['name']} {Path(d['path']).name} {d['variant']} batch {d['batch']}: {d['bound']} — {d['why']}"
                      + (f"; GPU busy {d['gpu_util_pct']:.0f} % of the time" if d.get("gpu_util_pct") is not None else "")
                      for d in body["roofline"]]
     return "\n".join(lines)

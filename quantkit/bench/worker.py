@@ -98,6 +98,7 @@ def bench(spec: WorkerSpec, rep: Reporter) -> dict:
             kv_read = kv_cache_bytes(model.config, batch, context, dtype)
             run = {
                 "name": spec.name,
+                "path": spec.path,
                 "variant": variant,
                 "batch": batch,
                 "prefill_tok_s": spread([batch * spec.prompt_len / t.prefill_s for t in timings]),
