@@ -14,7 +14,7 @@ from torch import nn
 from quantkit import runtime
 from quantkit.algorithms.grid import GridSpec, QuantizedWeight
 from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.bench.decode import generate_timed, kv_cache_bytes, make_cache, tensor_bytes
+from quantkit.bench.decode import EagerDecoder, StaticDecoder, generate_timed, kv_cache_bytes, tensor_bytes
 from quantkit.bench.runner import diagnose, ratios
 from quantkit.cli import cli
 from quantkit.errors import QuantkitError
@@ -123,11 +123,10 @@ def test_w8a8_artifact_benches_on_its_int8_layers(artifacts):
 # ------------------------------------------------------------------------------------------- accounting
 def test_kv_cache_bytes_match_the_cache_transformers_fills(tiny_llama):
     model = runtime.load(str(tiny_llama)).model
-    cache = make_cache(model, 3, 20, static=False)
-    with torch.no_grad():
-        model(torch.randint(0, 500, (3, 20)), cache=cache, use_cache=True)
+    decoder = EagerDecoder(model)
+    decoder.prefill(torch.randint(0, 500, (3, 20)), 20)
     filled = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                 for layer in cache.layers)
+                 for layer in decoder.cache.layers)
     assert kv_cache_bytes(model.config, 3, 20, torch.float32) == filled
 
 
@@ -140,13 +139,25 @@ def test_tensor_bytes_count_a_tied_head_once(tiny_llama):
     assert sizes["embedding"] == 0  # tied: the head reads the whole table every step
 
 
-def test_generate_timed_is_greedy_decoding(tiny_llama):
+def test_decoders_generate_what_greedy_generate_does(tiny_llama):
     model = runtime.load(str(tiny_llama)).model
-    prompt = torch.randint(0, 500, (2, 12), generator=gen(10))
-    t = generate_timed(model, model.forward, prompt, 5, static=False)
+    prompt = torch.randint(3, 500, (2, 12), generator=gen(10))
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[:, 12:]
+
+    def tokens(decoder):
+        out = [decoder.prefill(prompt, 18)]
+        for i in range(5):
+            out.append(decoder.step(out[-1], 12 + i))
+        return torch.cat(out, 1)
+
+    assert torch.equal(tokens(EagerDecoder(model)), want)
+    static = StaticDecoder(model)
+    assert static.variant == "static+compile"
+    static.compiled = model.forward  # the static cache path itself, without paying for a compile in unit tests
+    assert torch.equal(tokens(static), want) and torch.equal(tokens(static), want)  # the cache is reset and reused
+    t = generate_timed(EagerDecoder(model), prompt, 5)
     assert t.prefill_s > 0 and t.decode_s > 0
-    static = generate_timed(model, model.forward, prompt, 5, static=True)
-    assert static.decode_s > 0
 
 
 @pytest.mark.parametrize("ms,nbytes,flops,bound", [

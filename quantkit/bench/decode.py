@@ -19,38 +19,98 @@ class Timing:
     decode_s: float  # all gen_len decode steps
 
 
-def make_cache(model: nn.Module, batch: int, max_len: int, static: bool):
-    from transformers import DynamicCache, StaticCache
-
-    if static:
-        return StaticCache(config=model.config, max_cache_len=max_len)
-    return DynamicCache(config=model.config)
-
-
 def cache_kwarg(model: nn.Module) -> str:
     """transformers 5.x renamed forward's `past_key_values` to `cache` (the old name warns, then goes)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+class EagerDecoder:
+    """What `generate` does: a growing (dynamic) KV cache, one Python-dispatched forward per step."""
+
+    variant = "eager"
+
+    def __init__(self, model: nn.Module):
+        self.model, self.kw = model, cache_kwarg(model)
+
+    def prefill(self, prompt: torch.Tensor, max_len: int) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        length = prompt.shape[1]
+        out = self.model(input_ids=prompt, **{self.kw: self.cache}, use_cache=True, logits_to_keep=1,
+                         cache_position=torch.arange(length, device=prompt.device))
+        return out.logits[:, -1:].argmax(-1)
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        pos = torch.tensor([position], device=token.device)
+        out = self.model(input_ids=token, **{self.kw: self.cache}, use_cache=True, cache_position=pos)
+        return out.logits[:, -1:].argmax(-1)
+
+
+class StaticDecoder(EagerDecoder):
+    """A preallocated (static) KV cache so every decode step has the same shapes and addresses; the step is then
+    captured once in a CUDA graph and replayed (GPU: no per-kernel launch cost), or compiled with torch.compile
+    (CPU: fused kernels, no Python dispatch). One cache and graph per batch size, reused across repetitions."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.variant = "static+cudagraph" if next(model.parameters()).is_cuda else "static+compile"
+        self.states: dict[tuple[int, int], dict] = {}
+        self.compiled = None if self.variant == "static+cudagraph" else torch.compile(model.forward, dynamic=False)
+
+    def prefill(self, prompt: torch.Tensor, max_len: int) -> torch.Tensor:
+        from transformers import StaticCache
+
+        batch, length = prompt.shape
+        key = (batch, max_len)
+        if key not in self.states:
+            self.states[key] = {"cache": StaticCache(config=self.model.config, max_cache_len=max_len)}
+        self.state = self.states[key]
+        self.cache = self.state["cache"]
+        self.cache.reset()
+        out = self.model(input_ids=prompt, **{self.kw: self.cache}, use_cache=True, logits_to_keep=1,
+                         cache_position=torch.arange(length, device=prompt.device))
+        return out.logits[:, -1:].argmax(-1)
+
+    def _forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        fn = self.compiled or self.model
+        return fn(input_ids=token, **{self.kw: self.cache}, use_cache=True, cache_position=pos).logits
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        st = self.state
+        if self.compiled is not None:
+            return self._forward(token, torch.tensor([position], device=token.device))[:, -1:].argmax(-1)
+        if "graph" not in st:  # capture on the first step; its own writes land at `position`, as the step's would
+            st["token"], st["pos"] = token.clone(), torch.tensor([position], device=token.device)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream (cuBLAS workspaces, lazy inits)
+                for _ in range(2):
+                    self._forward(st["token"], st["pos"])
+            torch.cuda.current_stream().wait_stream(side)
+            st["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st["graph"]):
+                st["logits"] = self._forward(st["token"], st["pos"])
+        st["token"].copy_(token)
+        st["pos"].fill_(position)
+        st["graph"].replay()
+        return st["logits"][:, -1:].argmax(-1)
+
+
 @torch.inference_mode()
-def generate_timed(model: nn.Module, forward, prompt: torch.Tensor, gen_len: int, static: bool) -> Timing:
-    """Greedy generation of gen_len tokens after `prompt` [batch, len]; `forward` is model.forward or its compiled
-    version. Only the last position's logits are computed in the prefill (what engines do)."""
-    batch, length = prompt.shape
+def generate_timed(decoder: EagerDecoder, prompt: torch.Tensor, gen_len: int) -> Timing:
+    """Greedy generation of gen_len tokens after `prompt` [batch, len]. Only the last position's logits are
+    computed in the prefill (what engines do)."""
+    length = prompt.shape[1]
     device = prompt.device
-    kv = {cache_kwarg(model): make_cache(model, batch, length + gen_len, static)}
     sync(device)
     start = time.perf_counter()
-    out = forward(input_ids=prompt, **kv, use_cache=True, logits_to_keep=1,
-                  cache_position=torch.arange(length, device=device))
-    token = out.logits[:, -1:].argmax(-1)
+    token = decoder.prefill(prompt, length + gen_len)
     sync(device)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     for step in range(gen_len):
-        position = torch.tensor([length + step], device=device)
-        out = forward(input_ids=token, **kv, use_cache=True, cache_position=position)
-        token = out.logits[:, -1:].argmax(-1)
+        token = decoder.step(token, length + step)
     sync(device)
     return Timing(prefill, time.perf_counter() - start)
 

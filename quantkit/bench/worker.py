@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import QuantkitError
 from ..progress import Reporter
-from .decode import decode_step_flops, generate_timed, kv_cache_bytes, tensor_bytes
+from .decode import EagerDecoder, StaticDecoder, decode_step_flops, generate_timed, kv_cache_bytes, tensor_bytes
 from .monitor import Sampler, gpu_utilization_probe, rss_bytes
 
 
@@ -68,18 +68,16 @@ def bench(spec: WorkerSpec, rep: Reporter) -> dict:
     model = load(spec, device)
     sizes = tensor_bytes(model)
     vocab = model.get_input_embeddings().weight.shape[0]
-    variants = [("eager", model.forward, False)]
-    if spec.compile:
-        mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs where there is a GPU
-        variants.append(("compiled", torch.compile(model.forward, mode=mode, dynamic=False), True))
+    decoders = [EagerDecoder(model)] + ([StaticDecoder(model)] if spec.compile else [])
     gpu_probe = gpu_utilization_probe(device.index or 0) if device.type == "cuda" else None
     runs = []
-    for variant, forward, static in variants:
+    for decoder in decoders:
+        variant = decoder.variant
         for batch in spec.batches:
             prompt = torch.randint(vocab, (batch, spec.prompt_len), generator=torch.Generator().manual_seed(spec.seed))
             prompt = prompt.to(device)
             rep.info(f"[{spec.name}] {variant} batch {batch}: warm-up")
-            generate_timed(model, forward, prompt, min(spec.gen_len, 8) if not static else spec.gen_len, static)
+            generate_timed(decoder, prompt, spec.gen_len if decoder.variant != "eager" else min(spec.gen_len, 8))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             rss = Sampler(rss_bytes, 0.005).start()
@@ -88,7 +86,7 @@ def bench(spec: WorkerSpec, rep: Reporter) -> dict:
             for r in range(spec.reps):
                 if util and r == 0:
                     util.start()
-                timings.append(generate_timed(model, forward, prompt, spec.gen_len, static))
+                timings.append(generate_timed(decoder, prompt, spec.gen_len))
                 if util and r == 0:
                     util.stop()
             rss_peak = max(rss.stop())
