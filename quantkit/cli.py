@@ -239,13 +239,17 @@ def _batches(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--baseline-dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="Dtype of the original (auto: bfloat16 on CUDA, float32 on CPU).")
 @click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1), help="Timed repetitions.")
+@click.option("--int4-kernel", "int4_backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "torch", "quantkit"]),
+              help="W4A16 kernel: torch = PyTorch's int4 (tinygemm) kernels; quantkit = quantkit's AVX2 CPU kernel; "
+                   "auto = quantkit's on x86 CPUs where it builds, else torch's.")
 @click.option("--compile", "compile_", is_flag=True,
               help="Also run each model with a static KV cache and torch.compile (CUDA graphs on GPU), side by side.")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 @click.option("--json", "json_out", metavar="FILE", help="Write the results (stable keys) here.")
 @click.option("--markdown", "md_out", metavar="FILE", help="Write the markdown tables here.")
-def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, baseline_dtype, reps, compile_, quiet,
-          json_out, md_out) -> None:
+def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, baseline_dtype, reps, int4_backend,
+          compile_, quiet, json_out, md_out) -> None:
     """Memory and tokens/s of each ARTIFACT on the device with real low-bit kernels (and of the original with
     --baseline, once), a roofline of each decode run; results also go into each artifact's quantkit.json."""
     from .bench.runner import BenchOptions, markdown, record_in_manifest, run_bench
@@ -254,7 +258,8 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
         if not Path(artifact).exists():
             raise QuantkitError(f"ARTIFACT: not found: {artifact}")
     o = BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len, device=device,
-                     dtype=dtype, baseline_dtype=baseline_dtype, reps=reps, compile=compile_)
+                     dtype=dtype, baseline_dtype=baseline_dtype, reps=reps, compile=compile_,
+                     int4_backend=int4_backend)
     rep = Reporter(quiet)
     body = run_bench(list(artifacts), o, rep)
     body["versions"] = package_versions()

@@ -20,7 +20,7 @@ from torch import nn
 from .errors import QuantkitError
 from .export import awq, compressed_tensors, gptq
 from .export.base import Fp8Weight, QuantizedWeight, split_by_module
-from .kernels.w4a16 import supports, swap_w4a16_linears
+from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
 
@@ -73,9 +73,10 @@ def quantized_state_dict(
     return state, {prefix: decode(parts, qcfg) for prefix, parts in modules.items()}
 
 
-def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None) -> Loaded:
+def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None, int4_backend: str = "auto") -> Loaded:
     """An artifact folder, an HF folder, a GGUF file or a hub id, as a torch model on CPU. With int4_device, 4-bit
-    weight-only Linears become W4Linear layers whose buffers already live on that device (move the rest after)."""
+    weight-only Linears become W4Linear layers (int4_backend: auto | torch | quantkit, see kernels/w4a16.py) whose
+    buffers already live on that device (move the rest after)."""
     fmt = artifact_format(path)
     if fmt is None:
         return load_model(path, dtype)
@@ -97,7 +98,8 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     if w8a8:  # the quantized weights go into W8A8 layers below, not into the float Linears
         kept = qweights
     elif int4_device is not None:
-        kept = {name: qw for name, qw in qweights.items() if supports(qw, int4_device) is None}
+        backend = pick_backend(int4_backend, int4_device)
+        kept = {name: qw for name, qw in qweights.items() if supports(qw, int4_device, backend) is None}
     else:
         kept = {}
     state |= {f"{prefix}.weight": qw.dequantize(want) for prefix, qw in qweights.items() if prefix not in kept}
@@ -113,6 +115,6 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     if w8a8:
         swap_w8a8_linears(model, qweights)
     elif kept:
-        swap_w4a16_linears(model, kept, int4_device)
+        swap_w4a16_linears(model, kept, int4_device, backend)
     model.eval()
     return Loaded(model, AutoTokenizer.from_pretrained(str(folder)), str(folder))

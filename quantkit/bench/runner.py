@@ -36,6 +36,7 @@ class BenchOptions:
     baseline_dtype: str = "auto"  # the original's: bfloat16 on CUDA, float32 on CPU
     reps: int = 3
     compile: bool = False
+    int4_backend: str = "auto"  # W4A16 on CPU: quantkit's AVX2 kernel when it builds, else PyTorch's
 
 
 def device_name(device: torch.device) -> str:
@@ -113,7 +114,7 @@ def run_bench(artifacts: list[str], o: BenchOptions, rep: Reporter) -> dict:
     flops = peaks.matmul_flops(device, getattr(torch, dtype))
     rep.info(f"peak copy {copy_bw / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s")
     common = dict(device=device.type, batches=list(o.batches), prompt_len=o.prompt_len, gen_len=o.gen_len,
-                  reps=o.reps, compile=o.compile, quiet=rep.quiet)
+                  reps=o.reps, compile=o.compile, int4_backend=o.int4_backend, quiet=rep.quiet)
     models = [run_worker(WorkerSpec(name="model", path=a, dtype=dtype, **common)) for a in artifacts]
     if o.baseline:
         models.append(run_worker(WorkerSpec(name="base", path=o.baseline, dtype=base_dtype, **common)))
@@ -122,13 +123,18 @@ def run_bench(artifacts: list[str], o: BenchOptions, rep: Reporter) -> dict:
         "device": device.type,
         "device_name": device_name(device),
         "settings": {"batches": list(o.batches), "prompt_len": o.prompt_len, "gen_len": o.gen_len, "reps": o.reps,
-                     "compile": o.compile, "dtype": dtype, "baseline_dtype": base_dtype},
+                     "compile": o.compile, "int4_backend": o.int4_backend, "dtype": dtype, "baseline_dtype": base_dtype},
         "peaks": {"copy_bw_bytes_s": copy_bw, "matmul_flops": flops, "matmul_dtype": dtype},
         "models": models,
         "runs": runs,
         "ratios": ratios(runs),
         "roofline": [diagnose(r, copy_bw, flops) for r in runs],
     }
+
+
+def label(path: str) -> str:
+    """An artifact's folder and format (`w8a8/compressed-tensors`): format folders alone repeat across schemes."""
+    return "/".join(Path(path).parts[-2:])
 
 
 def markdown(body: dict) -> str:
@@ -145,7 +151,7 @@ def markdown(body: dict) -> str:
     for r, d in zip(body["runs"], body["roofline"]):
         ms = r["ms_per_token"]
         lines.append(
-            f"| {r['name']} | {Path(r['path']).name} | {r['variant']} | {r['batch']} | {r['prefill_tok_s']['median']:.0f} "
+            f"| {r['name']} | {label(r['path'])} | {r['variant']} | {r['batch']} | {r['prefill_tok_s']['median']:.0f} "
             f"| {r['decode_tok_s']['median']:.1f} | {ms['median']:.2f} ({ms['min']:.2f}–{ms['max']:.2f}) "
             f"| {r['weight_bytes'] / mb:.1f} | {r['peak_mem_bytes'] / mb:.0f} | {r['kv_cache_bytes'] / mb:.1f} "
             f"| {d['bw_pct_of_peak']:.0f} | {d['bound']} |")
@@ -153,9 +159,9 @@ def markdown(body: dict) -> str:
         lines += ["", "| model vs base | variant | batch | decode speedup | prefill speedup | weight bytes | peak memory |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for q in body["ratios"]:
-            lines.append(f"| {Path(q['path']).name} | {q['variant']} | {q['batch']} | {q['decode_speedup']:.2f}× | {q['prefill_speedup']:.2f}× "
+            lines.append(f"| {label(q['path'])} | {q['variant']} | {q['batch']} | {q['decode_speedup']:.2f}× | {q['prefill_speedup']:.2f}× "
                          f"| {100 * q['weight_bytes_ratio']:.1f} % | {100 * q['peak_mem_ratio']:.1f} % |")
-    lines += [""] + [f"- {d['name']} {Path(d['path']).name} {d['variant']} batch {d['batch']}: {d['bound']} — {d['why']}"
+    lines += [""] + [f"- {d['name']} {label(d['path'])} {d['variant']} batch {d['batch']}: {d['bound']} — {d['why']}"
                      + (f"; GPU busy {d['gpu_util_pct']:.0f} % of the time" if d.get("gpu_util_pct") is not None else "")
                      for d in body["roofline"]]
     return "\n".join(lines)

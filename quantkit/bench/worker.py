@@ -31,6 +31,7 @@ class WorkerSpec:
     gen_len: int
     reps: int
     compile: bool
+    int4_backend: str = "auto"
     seed: int = 0
     quiet: bool = False
 
@@ -46,7 +47,7 @@ def kernels_used(model: nn.Module, device: torch.device) -> dict[str, int]:
     names = []
     for m in model.modules():
         if isinstance(m, W4Linear):
-            names.append(kernel_name(device))
+            names.append(kernel_name(device, m.backend))
         elif hasattr(m, "path") and hasattr(m, "weight_scale"):  # Int8Linear / Fp8Linear
             names.append(f"{type(m).__name__}:{m.path}")
         elif isinstance(m, nn.Linear):
@@ -57,7 +58,7 @@ def kernels_used(model: nn.Module, device: torch.device) -> dict[str, int]:
 def load(spec: WorkerSpec, device: torch.device) -> nn.Module:
     from .. import runtime
 
-    loaded = runtime.load(spec.path, spec.dtype, int4_device=device)
+    loaded = runtime.load(spec.path, spec.dtype, int4_device=device, int4_backend=spec.int4_backend)
     return loaded.model.to(device=device)
 
 
@@ -77,7 +78,14 @@ def bench(spec: WorkerSpec, rep: Reporter) -> dict:
             prompt = torch.randint(vocab, (batch, spec.prompt_len), generator=torch.Generator().manual_seed(spec.seed))
             prompt = prompt.to(device)
             rep.info(f"[{spec.name}] {variant} batch {batch}: warm-up")
-            generate_timed(decoder, prompt, spec.gen_len if decoder.variant != "eager" else min(spec.gen_len, 8))
+            try:  # the warm-up also captures / compiles the static variant
+                generate_timed(decoder, prompt, spec.gen_len if variant != "eager" else min(spec.gen_len, 8))
+            except Exception as err:  # a capture or compile failure costs that variant, not the whole bench
+                if variant == "eager":
+                    raise
+                rep.warn(f"[{spec.name}] {variant} batch {batch} skipped: {type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}")
+                continue
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             rss = Sampler(rss_bytes, 0.005).start()

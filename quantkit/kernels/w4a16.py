@@ -1,4 +1,7 @@
-"""W4A16 Linear layers on PyTorch's int4 weight-only kernels (tinygemm), for the bench.
+"""W4A16 Linear layers on real 4-bit kernels, for the bench: PyTorch's int4 weight-only kernels (tinygemm), or on
+x86 CPUs quantkit's own AVX2 kernel (kernels/int4_cpu.py), which beats both there.
+
+backend "torch":
 
 `_weight_int4pack_mm` (CUDA) and `_weight_int4pack_mm_for_cpu` compute x @ W.T with W stored as 4-bit codes,
 one (scale, zero) pair per group of `group_size` input columns, dequantized on the fly as
@@ -8,6 +11,9 @@ activations are bfloat16: the CPU kernel's vectorized (AVX2 / AVX512) path takes
 inputs fall back to a scalar loop ~10x slower than an fp32 F.linear), and the CUDA kernel only bfloat16. So the
 layer casts its input to bfloat16 and its output back; scales and zeros are bfloat16 too (the kernels' dtype),
 which moves a dequantized weight by at most 2^-9 of its group's scale — 1/32 of a 4-bit step.
+
+backend "quantkit" (CPU): float32 activations, float32 scales and integer zero points, w = (q - z) · scale exactly
+as the artifact stores it; see int4_cpu.py.
 
 Act-order checkpoints (a non-trivial g_idx) are repacked at load: columns are sorted by group so every group is
 contiguous again, and the layer gathers the input columns in the same order.
@@ -25,15 +31,37 @@ CUDA_INNER_K_TILES = 8  # tinygemm's widest K tile: K must be a multiple of 8·1
 CPU_INNER_K_TILES = 2  # the CPU layout ignores it beyond validation
 
 
-def kernel_name(device: torch.device) -> str:
+BACKENDS = ("auto", "torch", "quantkit")
+
+
+def pick_backend(name: str, device: torch.device) -> str:
+    """auto: quantkit's AVX2 kernel on a CPU that can build and run it, PyTorch's int4 kernel everywhere else."""
+    from . import int4_cpu
+
+    if name not in BACKENDS:
+        raise QuantkitError(f"int4 kernel: backend '{name}' is not one of {', '.join(BACKENDS)}")
+    if device.type == "cuda" or name == "torch":
+        return "torch"
+    ok, why = int4_cpu.available()
+    if name == "quantkit" and not ok:
+        raise QuantkitError(why)
+    return "quantkit" if ok else "torch"
+
+
+def kernel_name(device: torch.device, backend: str = "torch") -> str:
+    if backend == "quantkit":
+        return "quantkit.int4_gemm (AVX2)"
     return "aten._weight_int4pack_mm" if device.type == "cuda" else "aten._weight_int4pack_mm_for_cpu"
 
 
-def supports(qw: QuantizedWeight, device: torch.device) -> str | None:
+def supports(qw: QuantizedWeight, device: torch.device, backend: str = "torch") -> str | None:
     """Why this weight cannot run on the int4 kernel on `device`, or None when it can."""
     out, cols = qw.shape
     if qw.spec.bits != 4:
         return f"{qw.spec.bits}-bit weights (the int4 kernel needs 4)"
+    if backend == "quantkit":
+        span = qw.spec.span(cols)
+        return None if cols % 16 == 0 and span % 16 == 0 else f"in_features {cols} / group {span} not multiples of 16"
     span = qw.spec.span(cols)
     if span not in (32, 64, 128, 256) and qw.spec.group_size != -1:
         return f"group size {qw.spec.group_size} (the int4 kernel takes 32, 64, 128 or 256)"
@@ -59,25 +87,34 @@ def group_order(qw: QuantizedWeight) -> torch.Tensor | None:
 
 
 class W4Linear(nn.Module):
-    """nn.Linear replacement running a 4-bit QuantizedWeight through PyTorch's int4 kernel."""
+    """nn.Linear replacement running a 4-bit QuantizedWeight through an int4 kernel (see the module docstring)."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device):
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, backend: str = "torch"):
         super().__init__()
-        reason = supports(qw, device)
+        reason = supports(qw, device, backend)
         if reason:
             raise QuantkitError(f"int4 kernel: {reason}")
+        self.backend = backend
         self.out_features, self.in_features = qw.shape
         perm = group_order(qw)
         codes = qw.codes if perm is None else qw.codes[:, perm]
+        self.register_buffer("perm", perm.to(device) if perm is not None else None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
+        if backend == "quantkit":
+            from . import int4_cpu
+
+            self.group_size = qw.spec.span(self.in_features)
+            self.register_buffer("weight", int4_cpu.pack(codes).to(device))
+            self.register_buffer("scales", qw.scale.float().contiguous().to(device))
+            self.register_buffer("zeros", qw.zero.float().contiguous().to(device))
+            return
         # per-channel = one group spanning the row; the kernel wants a power-of-two group, so repeat the scale
         self.group_size = qw.spec.group_size if qw.spec.group_size != -1 else self._channel_group(self.in_features)
         repeat = self.in_features // self.group_size // qw.scale.shape[1]
         scale = qw.scale.float().repeat_interleave(repeat, dim=1)  # [out, groups]
         zero = (8 - qw.zero.float().repeat_interleave(repeat, dim=1)) * scale
-        self.register_buffer("perm", perm.to(device) if perm is not None else None)
         self.register_buffer("scales_and_zeros", torch.stack([scale.T, zero.T], dim=-1).to(device, torch.bfloat16))
         self.register_buffer("weight", self._pack(codes.to(device)))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
 
     @staticmethod
     def _channel_group(cols: int) -> int:
@@ -97,21 +134,26 @@ class W4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.perm is not None:
             flat = flat[:, self.perm]
-        flat = flat.to(torch.bfloat16).contiguous()
-        if flat.is_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(flat, self.weight, self.group_size, self.scales_and_zeros)
+        if self.backend == "quantkit":
+            from .int4_cpu import int4_gemm
+
+            y = int4_gemm(flat, self.weight, self.scales, self.zeros, self.group_size)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group_size, self.scales_and_zeros)
+            flat = flat.to(torch.bfloat16).contiguous()
+            mm = torch.ops.aten._weight_int4pack_mm if flat.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+            y = mm(flat, self.weight, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, act_order={self.perm is not None}"
+        return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
+                f"act_order={self.perm is not None}, backend={self.backend}")
 
 
-def swap_w4a16_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], device: torch.device) -> list[str]:
+def swap_w4a16_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], device: torch.device,
+                       backend: str = "torch") -> list[str]:
     """Replace each named nn.Linear by a W4Linear on `device`, in place. Returns the names (with reasons) that the
     kernel cannot take; those keep their dequantized float weight."""
     skipped = []
@@ -119,10 +161,10 @@ def swap_w4a16_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], d
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise QuantkitError(f"{name}: not an nn.Linear ({type(linear).__name__})")
-        reason = supports(qw, device)
+        reason = supports(qw, device, backend)
         if reason:
             skipped.append(f"{name}: {reason}")
             continue
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, W4Linear(qw, linear.bias, device))
+        setattr(model.get_submodule(parent), leaf, W4Linear(qw, linear.bias, device, backend))
     return skipped
