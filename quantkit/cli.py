@@ -4,26 +4,14 @@
 from __future__ import annotations
 
 import json
-import platform
 import sys
-import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import click
 
 from .errors import QuantkitError
 from .progress import Reporter
-
-
-def package_versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in ("quantkit", "torch", "transformers", "safetensors", "compressed-tensors", "lm-eval"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
+from .versions import package_versions
 
 
 def write_json(path: str | None, body: dict) -> None:
@@ -41,65 +29,16 @@ def cli() -> None:
 @cli.command()
 @click.argument("recipe_path", metavar="RECIPE")
 @click.option("--overwrite", is_flag=True, help="Replace existing artifact folders.")
+@click.option("--no-resume", is_flag=True, help="Start over even when a killed run of this recipe left checkpoints.")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 @click.option("--json", "json_out", metavar="FILE", help="Write a machine-readable summary here.")
-def quantize(recipe_path: str, overwrite: bool, quiet: bool, json_out: str | None) -> None:
-    """Quantize the model a YAML recipe names and write its artifacts."""
-    import torch
+def quantize(recipe_path: str, overwrite: bool, no_resume: bool, quiet: bool, json_out: str | None) -> None:
+    """Quantize the model a YAML recipe names and write its artifacts. A run killed mid-way resumes from its
+    last finished block when started again with the same recipe."""
+    from .quantize import run_quantize
+    from .recipe import load_recipe
 
-    from . import calibration, pipeline
-    from .export.artifact import write_artifact
-    from .model import load_model, pick_device, torch_dtype
-    from .recipe import parse_size, load_recipe
-
-    report = Reporter(quiet)
-    start = time.perf_counter()
-    recipe = load_recipe(recipe_path)
-    out_root = Path(recipe.export.output)
-    dests = {fmt: out_root / fmt for fmt in recipe.export.formats}
-    for dest in dests.values():
-        if dest.exists() and not overwrite:
-            raise QuantkitError(f"export.output: {dest} already exists (pass --overwrite to replace it)")
-    device = pick_device(recipe.device)
-    torch.manual_seed(0)
-    with report.timed("load"):
-        loaded = load_model(recipe.model, recipe.dtype)
-    report.info(f"loaded {recipe.model} ({type(loaded.model).__name__}, {loaded.model.dtype}) "
-                f"in {report.timings['load']:.1f} s")
-    calib = None
-    if recipe.needs_calibration:
-        with report.timed("calibration"):
-            calib = calibration.build(loaded.tokenizer, recipe.calibration)
-        report.info(f"calibration: {tuple(calib.tokens.shape)} tokens from {calib.source} (sha256 {calib.sha256[:12]})")
-    with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
-        result = pipeline.quantize(loaded.model, recipe.stage, calib, device, recipe.export.formats, report,
-                                   recipe.transforms)
-    dtype = torch_dtype(recipe.export.dtype, loaded.model.dtype)
-    manifest = {
-        "quantkit_version": package_versions()["quantkit"],
-        "recipe": recipe.model_dump(mode="json"),
-        "versions": package_versions(),
-        "calibration": None if calib is None else {
-            "source": calib.source, "sha256": calib.sha256,
-            "num_samples": int(calib.tokens.shape[0]), "seq_len": int(calib.tokens.shape[1]),
-        },
-        "timings_s": dict(report.timings),
-        "losses": result.losses,
-    }
-    for fmt, dest in dests.items():
-        with report.timed(f"export:{fmt}"):
-            write_artifact(dest, fmt, loaded.model, loaded.tokenizer, result.qweights, result.info, dtype,
-                           parse_size(recipe.export.max_shard_size), manifest, overwrite)
-        report.info(f"wrote {dest} in {report.timings[f'export:{fmt}']:.1f} s")
-    total = time.perf_counter() - start
-    report.info("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.timings.items()) + f"; total {total:.1f} s")
-    write_json(json_out, {
-        "outputs": {fmt: str(d) for fmt, d in dests.items()},
-        "timings_s": dict(report.timings) | {"total": round(total, 3)},
-        "quantized_modules": len(result.qweights),
-        "loss_total": sum(v for v in result.losses.values() if v == v),
-        "calibration_sha256": None if calib is None else calib.sha256,
-    })
+    write_json(json_out, run_quantize(load_recipe(recipe_path), overwrite, Reporter(quiet), resume=not no_resume))
 
 
 def eval_options(fn):
@@ -273,6 +212,27 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
     if md_out:
         Path(md_out).parent.mkdir(parents=True, exist_ok=True)
         Path(md_out).write_text(table + "\n")
+
+
+@cli.command("verify")
+@click.argument("artifact", metavar="ARTIFACT")
+@click.option("--json", "json_out", metavar="FILE", help="Write {artifact, ok, checks: [{name, ok, detail}]} here.")
+@click.option("--quiet", is_flag=True, help="Print only the final line (and warnings).")
+def verify_cmd(artifact: str, json_out: str | None, quiet: bool) -> None:
+    """Check an artifact folder: each file against its sha256 in quantkit.json, the safetensors readable, tensor
+    shapes and dtypes against config.json, a short forward with finite logits. Exit code 1 when a check fails."""
+    from .verify import verify
+
+    result = verify(artifact)
+    if not quiet:
+        for line in result.table():
+            click.echo(line)
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(result.summary())
+    write_json(json_out, result.as_json())
+    if not result.ok:
+        sys.exit(1)  # 2 stays the usage-error code (QuantkitError, from main)
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from .algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
 from .algorithms.grid import GridSpec, QuantizedWeight
 from .algorithms.rtn import rtn_quantize
 from .calibration import CalibrationSet
+from .checkpoint import BlockCheckpoints
 from .errors import QuantkitError
 from .export.base import QuantInfo
 from .kernels.w8a8 import fake_quantize_tokens
@@ -149,7 +150,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.
 def _check_finite(hidden: torch.Tensor, where: str) -> None:
     if not torch.isfinite(hidden).all():
         raise QuantkitError(
-            f"calibration: non-finite activations after {where} (fp16 overflow?); use dtype: bfloat16 or float32"
+            f"calibration: non-finite activations {where} (fp16 overflow?); use dtype: bfloat16 or float32"
         )
 
 
@@ -170,8 +171,10 @@ def quantize(
     formats: list[str],
     report: Reporter,
     transforms: Sequence[Stage] = (),
+    checkpoints: BlockCheckpoints | None = None,
 ) -> QuantResult:
-    """stage: the weight stage; transforms: the transform stages before it, in recipe order."""
+    """stage: the weight stage; transforms: the transform stages before it, in recipe order; checkpoints: where
+    the layer-wise run saves each finished block and resumes from (None: no checkpoints)."""
     prefix, targets, info = plan(model, stage, formats, len(transforms))
     info.method = "+".join(s.name for s in [*transforms, stage])
     # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
@@ -187,14 +190,18 @@ def quantize(
                 result.qweights[name], result.losses[name] = _rtn(module, stage.rtn, info.spec)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
-        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report)
+        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints)
     for p in passes:
         report.info(p.summary())
     result.timings = dict(report.timings)
     return result
 
 
-def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter) -> None:
+PASS_COUNTERS = ("ratios", "clipped", "smoothed")  # what each pass's summary() reports, carried across a resume
+
+
+def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter,
+               checkpoints: BlockCheckpoints | None) -> None:
     _, blocks = decoder_blocks(model)
     with report.timed("capture"):
         hidden, calls = capture_block_inputs(model, blocks, calib.tokens)
@@ -203,8 +210,20 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         f"{result.info.method}: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration "
         f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
     )
+    first = 0
+    if checkpoints is not None and checkpoints.state["done"] >= 0:
+        hidden, qweights, losses, extra = checkpoints.restore(blocks, device)
+        result.qweights |= qweights
+        result.losses |= losses
+        for p, counters in zip(passes, extra.get("passes", [])):
+            for k, v in counters.items():
+                setattr(p, k, v)
+        first = checkpoints.state["done"] + 1
+        report.info(f"resuming at block {first + 1}/{len(blocks)} from {checkpoints.folder}")
     start = time.perf_counter()
     for i, block in enumerate(blocks):
+        if i < first:
+            continue
         t0 = time.perf_counter()
         block.to(device)
         names = {m: n for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
@@ -227,10 +246,15 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                     report.warn(warning)
         step = _gptq_block if stage.name == "gptq" else _rtn_block
         hidden = step(run, hidden, names, stage.args, result, report)
-        _check_finite(hidden, f"block {i}")
+        _check_finite(hidden, f"after {prefix}.{i}")
         block.to("cpu")
+        if checkpoints is not None:
+            with report.timed("checkpoint"):
+                own = {n: result.qweights[n] for n in names.values()}
+                extra = {"passes": [{k: getattr(p, k) for k in PASS_COUNTERS if hasattr(p, k)} for p in passes]}
+                checkpoints.save(i, block, own, {n: result.losses[n] for n in own}, hidden, extra)
         elapsed = time.perf_counter() - start
-        eta = elapsed / (i + 1) * (len(blocks) - i - 1)
+        eta = elapsed / (i + 1 - first) * (len(blocks) - i - 1)
         losses = "  ".join(
             f"{n.rsplit('.', 1)[-1]}={result.losses[n]:.3g}" for n in names.values()
         )
@@ -264,6 +288,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
         name, x = names[module], inputs[0]
         if shared["x"] is not x:  # q/k/v and gate/up read one tensor: one Hessian, one factorization
+            _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
             # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
             xq = x if act is None else fake_quantize_tokens(x, act)
             shared.update(x=x, xq=xq, solver=None)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from .errors import QuantkitError
 from .export import awq, compressed_tensors, gptq

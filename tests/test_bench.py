@@ -9,7 +9,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import write_recipe
-from torch import nn
 
 from quantkit import runtime
 from quantkit.algorithms.grid import GridSpec, QuantizedWeight

@@ -3,7 +3,6 @@ generation agreement, the eval JSON contract, and `quantkit report`."""
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -14,7 +14,6 @@ import io
 import json
 import logging
 import re
-from pathlib import Path
 
 from ..data import BUNDLED
 from ..errors import QuantkitError

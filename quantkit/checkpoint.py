@@ -1,0 +1,105 @@
+"""Per-block checkpoints of a layer-wise run, so a killed quantization resumes instead of starting over.
+
+After block i the run saves, under EXPORT_OUTPUT/.quantkit-resume/KEY/:
+  block-i.safetensors   the block's float state as the next blocks see it (scales folded, weights replaced by
+                        their dequantized values) and its quantized weights (codes, scales, zeros / FP8)
+  hidden-i.safetensors  the hidden states entering block i+1
+  state.json            {"done": i, losses, pass counters}: written last, by rename, so it never names a block
+                        whose files are incomplete
+KEY hashes everything the result depends on (recipe stages and calibration, the model's files, the calibration
+tokens, package versions), so a changed recipe or model never resumes from a stale run. Restoring block states and
+hidden states bit for bit makes the resumed run's artifact byte-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .algorithms.fp8 import Fp8Weight
+from .algorithms.grid import GridSpec, QuantizedWeight
+
+FOLDER = ".quantkit-resume"
+
+
+def run_key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    tmp.replace(path)
+
+
+def _pack_weights(qweights: dict[str, QuantizedWeight | Fp8Weight]) -> tuple[dict, dict]:
+    tensors, specs = {}, {}
+    for name, qw in qweights.items():
+        if isinstance(qw, Fp8Weight):
+            tensors |= {f"q.{name}.weight": qw.weight, f"q.{name}.scale": qw.scale}
+            specs[name] = {"fp8": True}
+            continue
+        tensors |= {f"q.{name}.codes": qw.codes, f"q.{name}.scale": qw.scale, f"q.{name}.zero": qw.zero}
+        if qw.g_idx is not None:
+            tensors[f"q.{name}.g_idx"] = qw.g_idx
+        specs[name] = {"bits": qw.spec.bits, "group_size": qw.spec.group_size, "sym": qw.spec.sym}
+    return tensors, specs
+
+
+def _unpack_weights(tensors: dict[str, torch.Tensor], specs: dict) -> dict[str, QuantizedWeight | Fp8Weight]:
+    out: dict[str, QuantizedWeight | Fp8Weight] = {}
+    for name, spec in specs.items():
+        if spec.get("fp8"):
+            out[name] = Fp8Weight(tensors[f"q.{name}.weight"], tensors[f"q.{name}.scale"])
+            continue
+        out[name] = QuantizedWeight(tensors[f"q.{name}.codes"], tensors[f"q.{name}.scale"], tensors[f"q.{name}.zero"],
+                                    GridSpec(spec["bits"], spec["group_size"], spec["sym"]),
+                                    tensors.get(f"q.{name}.g_idx"))
+    return out
+
+
+class BlockCheckpoints:
+    def __init__(self, output: str | Path, key: str):
+        self.root = Path(output) / FOLDER
+        self.folder = self.root / key
+
+    @property
+    def state(self) -> dict:
+        path = self.folder / "state.json"
+        return json.loads(path.read_text()) if path.is_file() else {"done": -1}
+
+    def save(self, i: int, block: nn.Module, qweights: dict, losses: dict, hidden: torch.Tensor, extra: dict) -> None:
+        """Block i is complete: qweights / losses are the block's own entries, hidden what enters block i+1."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        q, specs = _pack_weights(qweights)
+        _save({f"block.{k}": v for k, v in block.state_dict().items()} | q, self.folder / f"block-{i}.safetensors")
+        _save({"hidden": hidden}, self.folder / f"hidden-{i}.safetensors")
+        state = self.state
+        body = {"done": i, "losses": state.get("losses", {}) | losses, "specs": state.get("specs", {}) | specs,
+                "extra": extra}
+        tmp = self.folder / "state.json.tmp"
+        tmp.write_text(json.dumps(body))
+        tmp.replace(self.folder / "state.json")
+        (self.folder / f"hidden-{i - 1}.safetensors").unlink(missing_ok=True)  # only the newest one is ever read
+
+    def restore(self, blocks: nn.ModuleList, device: torch.device) -> tuple[torch.Tensor, dict, dict, dict]:
+        """Loads blocks 0..done in place; returns (hidden entering block done+1, qweights, losses, extra)."""
+        state = self.state
+        qweights: dict = {}
+        for i in range(state["done"] + 1):
+            tensors = load_file(str(self.folder / f"block-{i}.safetensors"))
+            block_state = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
+            blocks[i].load_state_dict(block_state, strict=True)
+            specs = {n: s for n, s in state["specs"].items() if f"q.{n}.scale" in tensors}
+            qweights |= _unpack_weights(tensors, specs)
+        hidden = load_file(str(self.folder / f"hidden-{state['done']}.safetensors"))["hidden"].to(device)
+        return hidden, qweights, state["losses"], state.get("extra", {})
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

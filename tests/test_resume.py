@@ -1,0 +1,103 @@
+"""Reliability of quantization runs: a SIGKILL mid-way resumes from the last finished block and gives a
+byte-identical artifact; the same recipe always gives byte-identical safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import write_recipe
+from tiny_models import make_tiny_model
+
+from quantkit.checkpoint import FOLDER
+
+STAGES = {
+    "gptq": "gptq: {bits: 4, group_size: 32, sym: false, act_order: true}",
+    "awq+gptq": "awq: {bits: 4, group_size: 32, zero_point: true, grid: 5}\n  - gptq: {bits: 4, group_size: 32, "
+                "sym: false}",
+}
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama4", "llama", layers=4)
+
+
+def quantize(recipe: Path, *extra: str, kill_after_block: int | None = None) -> subprocess.CompletedProcess:
+    """`quantkit quantize` in a child process; with kill_after_block, the child SIGKILLs itself right after that
+    block's checkpoint is on disk (the worst moment: nothing of the next block exists yet)."""
+    prelude = ""
+    if kill_after_block is not None:
+        prelude = textwrap.dedent(f"""
+            import os, signal
+            from quantkit import checkpoint
+            save = checkpoint.BlockCheckpoints.save
+            def save_then_die(self, i, *args):
+                save(self, i, *args)
+                if i == {kill_after_block}:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            checkpoint.BlockCheckpoints.save = save_then_die
+        """)
+    code = prelude + "import sys\nfrom quantkit.cli import main\nsys.argv = ['quantkit'] + sys.argv[1:]\nmain()\n"
+    return subprocess.run([sys.executable, "-c", code, "quantize", str(recipe), *extra],
+                          capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+def safetensors_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("stages", ["awq+gptq"])  # AWQ's folded scales and pass counters must survive too
+def test_killed_run_resumes_and_is_byte_identical(four_layers, tmp_path, stages):
+    formats = ("gptq", "compressed-tensors")
+    whole = write_recipe(tmp_path / "whole.yaml", four_layers, tmp_path / "whole", STAGES[stages], formats)
+    assert quantize(whole).returncode == 0
+
+    recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", STAGES[stages], formats)
+    killed = quantize(recipe, kill_after_block=1)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "out" / "gptq").exists()  # no artifact yet, and no half-written one
+    state = next((tmp_path / "out" / FOLDER).glob("*/state.json"))
+    assert json.loads(state.read_text())["done"] == 1
+
+    resumed = quantize(recipe)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at block 3/4" in resumed.stderr
+    assert "block 1/4" not in resumed.stderr and "block 4/4" in resumed.stderr  # blocks 1-2 were not redone
+    assert not (tmp_path / "out" / FOLDER).exists()  # checkpoints go once the artifacts are complete
+    for fmt in formats:
+        got, want = safetensors_bytes(tmp_path / "out" / fmt), safetensors_bytes(tmp_path / "whole" / fmt)
+        assert got.keys() == want.keys() and all(got[k] == want[k] for k in want), fmt
+        files = json.loads((tmp_path / "out" / fmt / "quantkit.json").read_text())["files"]
+        assert files == json.loads((tmp_path / "whole" / fmt / "quantkit.json").read_text())["files"]
+
+
+def test_checkpoints_of_another_recipe_are_not_used(four_layers, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", STAGES["gptq"], ("gptq",))
+    assert quantize(recipe, kill_after_block=0).returncode == -signal.SIGKILL
+    changed = write_recipe(tmp_path / "changed.yaml", four_layers, tmp_path / "out",
+                           STAGES["gptq"].replace("sym: false", "sym: true"), ("gptq",))
+    run = quantize(changed)
+    assert run.returncode == 0 and "resuming" not in run.stderr
+    restart = quantize(recipe, "--overwrite", kill_after_block=0)  # and --no-resume ignores a matching one
+    assert restart.returncode == -signal.SIGKILL
+    run = quantize(recipe, "--overwrite", "--no-resume")
+    assert run.returncode == 0 and "resuming" not in run.stderr and "block 1/4" in run.stderr
+
+
+def test_same_recipe_gives_byte_identical_safetensors(four_layers, tmp_path):
+    outs = []
+    for run in ("a", "b"):
+        recipe = write_recipe(tmp_path / f"{run}.yaml", four_layers, tmp_path / run, STAGES["gptq"],
+                              ("gptq", "compressed-tensors"))
+        assert quantize(recipe).returncode == 0
+        outs.append(tmp_path / run)
+    for fmt in ("gptq", "compressed-tensors"):
+        a, b = safetensors_bytes(outs[0] / fmt), safetensors_bytes(outs[1] / fmt)
+        assert a and a == b, fmt
