@@ -235,6 +235,57 @@ def verify_cmd(artifact: str, json_out: str | None, quiet: bool) -> None:
         sys.exit(1)  # 2 stays the usage-error code (QuantkitError, from main)
 
 
+@cli.command()
+@click.argument("recipe_path", metavar="RECIPE")
+@click.option("--quiet", is_flag=True, help="Only warnings, errors and the gate table.")
+@click.option("--json", "json_out", metavar="FILE", help="Also write the release report here.")
+def release(recipe_path: str, quiet: bool, json_out: str | None) -> None:
+    """Quantize -> eval against the original -> bench -> gates -> model card, from one recipe. Steps whose
+    inputs are unchanged are skipped, so a re-run resumes. Exit 1 when a gate fails."""
+    from . import gates
+    from .recipe import load_recipe
+    from .release import Release
+
+    recipe = load_recipe(recipe_path)
+    body = Release(recipe, recipe_path, Reporter(quiet)).run()
+    write_json(json_out, body)
+    results = [gates.GateResult(**r) for r in body["gates"]["results"]]
+    click.echo(gates.table(results) if results else "no gates declared")
+    state = Path(recipe.export.output) / "release" / "report.json"
+    click.echo(f"release: {body['artifact']} {'passed' if body['gates']['passed'] else 'FAILED'} "
+               f"({', '.join(f'{k} {v}' for k, v in body['steps'].items())}); report {state}")
+    if not body["gates"]["passed"]:
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("report_path", metavar="REPORT.json")
+@click.option("--recipe", "recipe_path", metavar="RECIPE", help="Check the gates of this recipe instead of the ones "
+              "recorded in the report.")
+@click.option("--json", "json_out", metavar="FILE", help="Write {passed, results} here.")
+def gate(report_path: str, recipe_path: str | None, json_out: str | None) -> None:
+    """Check release gates against a release report (EXPORT_OUTPUT/release/report.json): a table of measured vs
+    required; exit 1 when any gate fails."""
+    from . import gates
+    from .recipe import Gates, load_recipe
+
+    try:
+        body = json.loads(Path(report_path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise QuantkitError(f"{report_path}: not a readable release report ({err})") from None
+    if not isinstance(body, dict) or "eval" not in body or "gates" not in body:
+        raise QuantkitError(f"{report_path}: not a quantkit release report (no 'eval' / 'gates')")
+    declared = load_recipe(recipe_path).gates if recipe_path else Gates.model_validate(body["gates"]["declared"])
+    results = gates.evaluate(declared, body["eval"], body.get("bench"), body.get("artifact"))
+    click.echo(gates.table(results) if results else "no gates declared")
+    summary = gates.summary(results)
+    write_json(json_out, summary)
+    click.echo(f"gates: {'passed' if summary['passed'] else 'FAILED'} "
+               f"({sum(r.passed for r in results)}/{len(results)})")
+    if not summary["passed"]:
+        sys.exit(1)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

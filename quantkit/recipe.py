@@ -5,6 +5,7 @@ Validated with pydantic; every error becomes one line naming the field path and 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,8 +30,8 @@ class _Strict(BaseModel):
             for key in data:
                 if key not in accepted:
                     raise PydanticCustomError(
-                        "unknown_key", "unknown key '{key}' (accepted: {accepted})",
-                        {"key": key, "accepted": ", ".join(accepted)},
+                        "unknown_key", "unknown key {key} (accepted: {accepted})",
+                        {"key": repr(key), "accepted": ", ".join(accepted)},  # repr: one line, quotes shown
                     )
         return data
 
@@ -156,6 +157,51 @@ def _error(message: str, **values: Any) -> PydanticCustomError:
     return PydanticCustomError("recipe", message, values)
 
 
+class TaskGate(_Strict):
+    min_ratio: float | None = Field(None, gt=0)  # model score / base score of the task's main metric
+    min: float | None = None  # absolute floor on the model's score
+
+
+class Gates(_Strict):
+    """What `quantkit release` / `quantkit gate` require of the measurements; every key is optional."""
+
+    ppl_increase_pct: float | None = Field(None, ge=0)  # 100 * (ppl / base ppl - 1) at most this
+    kld_mean_max: float | None = Field(None, ge=0)
+    same_top_min: float | None = Field(None, ge=0, le=1)
+    tasks: dict[str, TaskGate] = {}
+    decode_speedup_min: float | None = Field(None, gt=0)  # bench, at speed_batch
+    prefill_speedup_min: float | None = Field(None, gt=0)
+    weight_bytes_ratio_max: float | None = Field(None, gt=0)  # artifact weights / original's
+    speed_batch: int = Field(1, ge=1)  # which bench batch the speed gates read
+
+
+class ReleaseEval(_Strict):
+    dataset: str = "wikitext2"
+    seq_len: int = Field(2048, ge=2)
+    max_tokens: int | None = Field(32768, ge=2)  # None: the whole split
+    tasks: list[str] = []
+    limit: int | None = Field(None, ge=1)
+    generation: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class ReleaseBench(_Strict):
+    enabled: bool = True
+    batches: list[int] = Field([1], min_length=1)
+    prompt_len: int = Field(512, ge=1)
+    gen_len: int = Field(64, ge=1)
+    reps: int = Field(3, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class Release(_Strict):
+    """How `quantkit release` evaluates and benches the artifact (the first export format unless `format`)."""
+
+    format: Literal["gptq", "compressed-tensors", "awq"] | None = None
+    eval: ReleaseEval = ReleaseEval()
+    bench: ReleaseBench = ReleaseBench()
+
+
 class Recipe(_Strict):
     model: str
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -163,6 +209,8 @@ class Recipe(_Strict):
     calibration: Calibration | None = None
     stages: list[Stage] = Field(min_length=1)
     export: Export
+    release: Release = Release()
+    gates: Gates = Gates()
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
@@ -171,7 +219,22 @@ class Recipe(_Strict):
             if stage.name in CALIBRATED_STAGES and self.calibration is None:
                 raise _error("calibration: required by the {stage} stage", stage=stage.name)
         self._check_weights()
+        self._check_release()
         return self
+
+    def _check_release(self) -> None:
+        r, g = self.release, self.gates
+        if r.format is not None and r.format not in self.export.formats:
+            raise _error("release.format: {fmt} is not one of export.formats", fmt=r.format)
+        for task in g.tasks:
+            if task not in r.eval.tasks:
+                raise _error("gates.tasks.{task}: the task is not evaluated (add it to release.eval.tasks)",
+                             task=_path_part(task))
+        speed = [k for k in ("decode_speedup_min", "prefill_speedup_min") if getattr(g, k) is not None]
+        if speed and not r.bench.enabled:
+            raise _error("gates.{key}: needs the bench (release.bench.enabled is false)", key=speed[0])
+        if speed and g.speed_batch not in r.bench.batches:
+            raise _error("gates.speed_batch: {b} is not one of release.bench.batches", b=g.speed_batch)
 
     def _check_order(self) -> None:
         last = len(self.stages) - 1
@@ -264,15 +327,23 @@ def parse_size(text: str) -> int:
     for unit, mult in units.items():
         if t.endswith(unit):
             try:
-                return int(float(t[: -len(unit)]) * mult)
-            except ValueError:
+                size = int(float(t[: -len(unit)]) * mult)
+            except (ValueError, OverflowError):  # 'xGB', 'nanGB' / 'infGB'
                 break
-    raise PydanticCustomError("size", "max_shard_size: '{t}' is not a size like 2GB or 500MB", {"t": text})
+            if size > 0:
+                return size
+            break
+    raise PydanticCustomError("size", "max_shard_size: {t} is not a size like 2GB or 500MB", {"t": repr(text)})
+
+
+def _path_part(key: Any) -> str:
+    """A key as written in a field path: user-chosen keys (task names) quoted unless plain, so a path is one line."""
+    return str(key) if isinstance(key, int) or re.fullmatch(r"[\w-]+", key) else repr(key)
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"])
+    loc = ".".join(map(_path_part, e["loc"]))
     got = e.get("input")
     shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
     where = f"{loc}: " if loc and not e["msg"].startswith(loc) else ""

@@ -1,0 +1,128 @@
+"""The model card (README.md) `quantkit release` writes into every artifact folder: what was quantized how, the
+measured quality and speed with device and versions, the gates, the files' hashes and how to load it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from . import gates as gate_checks
+from .export.artifact import MANIFEST_NAME, sha256_file
+from .recipe import Recipe
+
+LOADERS = {
+    "gptq": [
+        ("vLLM / SGLang", "vllm serve {path}  # gptq / gptq_marlin kernels"),
+        ("transformers (with gptqmodel)", "AutoModelForCausalLM.from_pretrained('{path}', device_map='auto')"),
+    ],
+    "awq": [
+        ("vLLM / SGLang", "vllm serve {path}  # awq / awq_marlin kernels"),
+        ("transformers (AWQ)", "AutoModelForCausalLM.from_pretrained('{path}', device_map='auto')"),
+    ],
+    "compressed-tensors": [
+        ("vLLM / SGLang", "vllm serve {path}"),
+        ("transformers (with compressed-tensors)", "AutoModelForCausalLM.from_pretrained('{path}')"),
+    ],
+}
+
+
+def _quality(ev: dict | None) -> list[str]:
+    if not ev:
+        return ["Not evaluated."]
+    ppl, kld = ev.get("ppl", {}), ev.get("kld") or {}
+    lines = [f"WikiText-2 ({ev.get('dataset')}), {ev.get('tokens', '?')} tokens in windows of {ev.get('seq_len')}; "
+             f"KLD against the original's full next-token distributions (top-{ev.get('top_k', '?')} + rest).", "",
+             "| metric | this artifact | original |", "|---|---:|---:|",
+             f"| perplexity | {ppl.get('model', float('nan')):.4f} | {ppl.get('base', float('nan')):.4f} |"]
+    if kld:
+        lines += [f"| KLD mean ± stderr | {kld['mean']:.5f} ± {kld['stderr']:.5f} | 0 |",
+                  f"| KLD p99 | {kld['p99']:.4f} | 0 |",
+                  f"| same top-1 token | {100 * ev['same_top']:.2f} % | 100 % |"]
+    for task, t in (ev.get("tasks") or {}).items():
+        metric, score, ratio = gate_checks.task_quality_ratio(t)
+        base = (t.get("base") or {}).get(metric)
+        lines.append(f"| {task} {metric} | {score:.4f} | {base:.4f} |" if base is not None else
+                     f"| {task} {metric} | {score:.4f} | - |")
+    if ev.get("generation"):
+        g = ev["generation"]
+        lines.append(f"| greedy generation token agreement | {100 * g['token_agreement']:.1f} % | 100 % |")
+    return lines
+
+
+def _speed(bench: dict | None, artifact: str) -> list[str]:
+    if not bench:
+        return ["Not benchmarked."]
+    mb = 1e6
+    lines = [f"Device: {bench['device_name']}; prompt {bench['settings']['prompt_len']} tokens, "
+             f"{bench['settings']['gen_len']} generated, median of {bench['settings']['reps']}.", "",
+             "| model | batch | prefill tok/s | decode tok/s | ms/token | weights MB | peak memory MB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in bench["runs"]:
+        if r["variant"] != "eager":
+            continue
+        name = "this artifact" if r["name"] == "model" else "original"
+        lines.append(f"| {name} | {r['batch']} | {r['prefill_tok_s']['median']:.0f} | {r['decode_tok_s']['median']:.1f} "
+                     f"| {r['ms_per_token']['median']:.2f} | {r['weight_bytes'] / mb:.1f} | {r['peak_mem_bytes'] / mb:.0f} |")
+    for q in bench.get("ratios", []):
+        if q["path"] == artifact and q["variant"] == "eager":
+            lines.append(f"\nBatch {q['batch']}: decode {q['decode_speedup']:.2f}×, prefill {q['prefill_speedup']:.2f}× "
+                         f"the original; weights {100 * q['weight_bytes_ratio']:.1f} % of its size.")
+    kernels = "; ".join(f"{m['name']}: " + ", ".join(f"{k} ×{n}" for k, n in m["kernels"].items())
+                        for m in bench.get("models", []))
+    return lines + ["", f"Kernels: {kernels}."]
+
+
+def card(recipe: Recipe, folder: Path, report: dict, results: list[gate_checks.GateResult]) -> str:
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    fmt = manifest.get("format", folder.name)
+    calib = manifest.get("calibration")
+    stages = " + ".join(s.name for s in recipe.stages)
+    measured = Path(report["artifact"]).name == folder.name
+    passed = all(r.passed for r in results)
+    lines = [
+        f"# {Path(recipe.export.output).name} ({fmt})", "",
+        f"`{recipe.model}` quantized with quantkit {manifest.get('quantkit_version')}: {stages}; format `{fmt}`.", "",
+        "## Recipe", "", "```yaml",
+        yaml.safe_dump(recipe.model_dump(mode="json", exclude={"release", "gates"}), sort_keys=False).rstrip(), "```", "",
+        "## Calibration", "",
+        (f"{calib['num_samples']} × {calib['seq_len']} tokens from {calib['source']}, sha256 `{calib['sha256']}`."
+         if calib else "None (round-to-nearest needs no data)."), "",
+    ]
+    if measured:
+        lines += ["## Quality against the original", "", *_quality(report.get("eval")), "",
+                  "## Speed and memory", "", *_speed(report.get("bench"), report["artifact"]), "",
+                  f"## Release gates: {'passed' if passed else 'FAILED'}", "",
+                  gate_checks.markdown(results) if results else "No gates declared.", ""]
+    else:
+        lines += [f"Quality and speed were measured on the `{Path(report['artifact']).name}` artifact of the same "
+                  "weights (same quantized values, another file layout); see its README.md.", ""]
+    lines += ["## Load it", ""]
+    for engine, snippet in LOADERS[fmt]:
+        lines.append(f"- {engine}: `{snippet.format(path=folder)}`")
+    lines += [f"- quantkit: `quantkit eval {folder} --base {recipe.model}`", "", "## Files", "",
+              "| file | sha256 |", "|---|---|"]
+    lines += [f"| {name} | `{digest}` |" for name, digest in manifest.get("files", {}).items() if name != "README.md"]
+    versions = ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items())
+    lines += ["", f"Versions: {versions}.", ""]
+    return "\n".join(lines)
+
+
+def write_cards(recipe: Recipe, root: Path, report: dict, results: list[gate_checks.GateResult]) -> list[Path]:
+    """README.md into every artifact folder; its hash joins the manifest's file list (written by rename)."""
+    out = []
+    for fmt in recipe.export.formats:
+        folder = root / fmt
+        path = folder / "README.md"
+        tmp = folder / "README.md.tmp"
+        tmp.write_text(card(recipe, folder, report, results))
+        tmp.replace(path)
+        manifest_path = folder / MANIFEST_NAME
+        manifest = json.loads(manifest_path.read_text())
+        manifest["files"]["README.md"] = sha256_file(path)
+        tmp = folder / (MANIFEST_NAME + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.replace(manifest_path)
+        out.append(path)
+    return out

@@ -1,0 +1,154 @@
+"""`quantkit release RECIPE`: quantize -> eval against the original -> bench -> gates -> model card.
+
+Each step records, in EXPORT_OUTPUT/release/STEP.json, a key hashing its inputs (the recipe's sections it reads,
+the original's files, the artifact's file hashes, package versions) next to its result; a step whose key still
+matches and whose outputs are intact is skipped, so re-running after a failure resumes where it stopped (and the
+quantize step itself resumes inside the model from its per-block checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from . import gates as gate_checks
+from .checkpoint import run_key
+from .errors import QuantkitError
+from .eval.cache import model_fingerprint
+from .export.artifact import MANIFEST_NAME, sha256_file
+from .progress import Reporter
+from .quantize import recipe_fingerprint, run_quantize
+from .recipe import Recipe
+from .versions import package_versions
+
+CARD = "README.md"
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _write(path: Path, body: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def artifact_files(folder: Path) -> dict[str, str] | None:
+    """The artifact's recorded file hashes (the card excluded), or None when any file is missing or differs."""
+    manifest = _read(folder / MANIFEST_NAME)
+    if manifest is None:
+        return None
+    files = {k: v for k, v in manifest.get("files", {}).items() if k != CARD}
+    for name, digest in files.items():
+        path = folder / name
+        if not path.is_file() or sha256_file(path) != digest:
+            return None
+    return files
+
+
+class Release:
+    def __init__(self, recipe: Recipe, recipe_path: str, report: Reporter, overwrite: bool = False):
+        self.recipe, self.recipe_path, self.report, self.overwrite = recipe, recipe_path, report, overwrite
+        self.root = Path(recipe.export.output)
+        self.state = self.root / "release"
+        fmt = recipe.release.format or recipe.export.formats[0]
+        self.artifact = self.root / fmt
+        self.versions = package_versions()
+        self.steps: dict[str, str] = {}
+        self.timings: dict[str, float] = {}
+
+    def _step(self, name: str, key: str, complete, run) -> dict:
+        """Runs `run()` unless STEP.json holds this key and `complete(result)` holds."""
+        path = self.state / f"{name}.json"
+        saved = _read(path)
+        if saved is not None and saved.get("key") == key and complete(saved["result"]):
+            self.steps[name] = "skipped (inputs unchanged)"
+            self.report.info(f"release: {name}: up to date, skipped")
+            return saved["result"]
+        self.report.info(f"release: {name}")
+        start = time.perf_counter()
+        result = run()
+        self.timings[name] = round(time.perf_counter() - start, 3)
+        self.state.mkdir(parents=True, exist_ok=True)
+        _write(path, {"key": key, "result": result})
+        self.steps[name] = "ran"
+        return result
+
+    def quantize(self) -> dict:
+        key = run_key({"recipe": recipe_fingerprint(self.recipe), "export": self.recipe.export.model_dump(mode="json"),
+                       "model": model_fingerprint(self.recipe.model), "versions": self.versions})
+        folders = [self.root / f for f in self.recipe.export.formats]
+
+        def complete(result: dict) -> bool:
+            return all(artifact_files(f) == result["files"].get(f.name) for f in folders)
+
+        def run() -> dict:
+            summary = run_quantize(self.recipe, overwrite=True, report=self.report)
+            return summary | {"files": {f.name: artifact_files(f) for f in folders}}
+
+        return self._step("quantize", key, complete, run)
+
+    def _artifact_key(self, settings: dict) -> str:
+        files = artifact_files(self.artifact)
+        if files is None:
+            raise QuantkitError(f"{self.artifact}: artifact files changed or missing after quantize")
+        return run_key({"artifact": files, "settings": settings, "base": model_fingerprint(self.recipe.model),
+                        "versions": self.versions})
+
+    def evaluate(self) -> dict:
+        from .eval.runner import EvalOptions, evaluate
+
+        e = self.recipe.release.eval
+        o = EvalOptions(base=self.recipe.model, dataset=e.dataset, seq_len=e.seq_len, max_tokens=e.max_tokens,
+                        device=e.device, tasks=list(e.tasks), limit=e.limit, generation=e.generation)
+        key = self._artifact_key(asdict(o))
+        return self._step("eval", key, lambda r: True, lambda: evaluate(str(self.artifact), o, self.report))
+
+    def bench(self) -> dict | None:
+        from .bench.runner import BenchOptions, record_in_manifest, run_bench
+
+        b = self.recipe.release.bench
+        if not b.enabled:
+            self.steps["bench"] = "disabled (release.bench.enabled: false)"
+            return None
+        o = BenchOptions(baseline=self.recipe.model, batches=tuple(b.batches), prompt_len=b.prompt_len,
+                         gen_len=b.gen_len, device=b.device, reps=b.reps)
+        key = self._artifact_key(asdict(o))
+
+        def run() -> dict:
+            body = run_bench([str(self.artifact)], o, self.report)
+            record_in_manifest(str(self.artifact), body)
+            return body
+
+        return self._step("bench", key, lambda r: True, run)
+
+    def run(self) -> dict:
+        start = time.perf_counter()
+        quantized = self.quantize()
+        ev = self.evaluate()
+        bench = self.bench()
+        results = gate_checks.evaluate(self.recipe.gates, ev, bench, str(self.artifact))
+        body = {
+            "recipe": self.recipe_path,
+            "artifact": str(self.artifact),
+            "model": self.recipe.model,
+            "steps": self.steps,
+            "timings_s": self.timings | {"total": round(time.perf_counter() - start, 3)},
+            "quantize": quantized,
+            "eval": ev,
+            "bench": bench,
+            "gates": {"declared": self.recipe.gates.model_dump(mode="json")} | gate_checks.summary(results),
+            "versions": self.versions,
+        }
+        from .card import write_cards
+
+        body["cards"] = [str(p) for p in write_cards(self.recipe, self.root, body, results)]
+        self.state.mkdir(parents=True, exist_ok=True)
+        _write(self.state / "report.json", body)
+        return body

@@ -1,0 +1,120 @@
+"""`quantkit release` end to end on a tiny model: gates that pass, gates that fail (exit code and table),
+steps skipped on a re-run, the model card, and `quantkit gate` on the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantkit import cli
+from quantkit.export.artifact import sha256_file
+from quantkit.gates import evaluate, table
+from quantkit.recipe import Gates
+
+RELEASE = ("release: {eval: {seq_len: 128, max_tokens: 1024, generation: false}, "
+           "bench: {batches: [1], prompt_len: 16, gen_len: 4, reps: 1}}")
+
+
+def write(path: Path, model: Path, out: Path, gates: str) -> Path:
+    path.write_text(
+        f"model: {model}\ndtype: float32\ndevice: cpu\n"
+        "calibration: {dataset: wikitext2, num_samples: 8, seq_len: 64, seed: 0}\n"
+        "stages:\n  - gptq: {bits: 4, group_size: 32, sym: true}\n"
+        f"export: {{output: {out}, formats: [compressed-tensors, gptq]}}\n{RELEASE}\ngates: {gates}\n")
+    return path
+
+
+def run(monkeypatch, *args) -> int:
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    try:
+        cli.main()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+LOOSE = "{ppl_increase_pct: 50, kld_mean_max: 1.0, same_top_min: 0.5, weight_bytes_ratio_max: 0.95}"
+STRICT = "{ppl_increase_pct: 0.001, kld_mean_max: 0.0, same_top_min: 1.0, decode_speedup_min: 100}"
+
+
+@pytest.fixture(scope="module")
+def released(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("release")
+    recipe = write(root / "loose.yaml", tiny_llama, root / "out", LOOSE)
+    mp = pytest.MonkeyPatch()
+    code = run(mp, "release", recipe, "--quiet")
+    mp.undo()
+    return root, recipe, code
+
+
+def test_release_passes_its_gates_and_writes_the_card(released, capsys):
+    root, _, code = released
+    assert code == 0
+    report = json.loads((root / "out" / "release" / "report.json").read_text())
+    assert report["gates"]["passed"] and len(report["gates"]["results"]) == 4
+    assert report["steps"] == {"quantize": "ran", "eval": "ran", "bench": "ran"}
+    measured = {r["name"]: r["measured"] for r in report["gates"]["results"]}
+    assert measured["kld_mean_max"] == report["eval"]["kld"]["mean"]
+    ppl = report["eval"]["ppl"]
+    assert measured["ppl_increase_pct"] == pytest.approx(100 * (ppl["model"] / ppl["base"] - 1))
+    assert measured["weight_bytes_ratio_max"] == report["bench"]["ratios"][0]["weight_bytes_ratio"]
+    card = (root / "out" / "compressed-tensors" / "README.md").read_text()
+    assert "## Release gates: passed" in card and f"{ppl['model']:.4f}" in card and "vllm serve" in card
+    assert "## Speed and memory" in card and report["bench"]["device_name"] in card
+    other = (root / "out" / "gptq" / "README.md").read_text()
+    assert "measured on the `compressed-tensors` artifact" in other
+    manifest = json.loads((root / "out" / "gptq" / "quantkit.json").read_text())
+    assert manifest["files"]["README.md"] == sha256_file(root / "out" / "gptq" / "README.md")
+
+
+def test_rerun_skips_every_step_and_a_failing_gate_exits_1(released, tiny_llama, monkeypatch, capsys):
+    root, _, _ = released
+    before = (root / "out" / "gptq" / "model.safetensors").stat().st_mtime_ns
+    strict = write(root / "strict.yaml", tiny_llama, root / "out", STRICT)  # same stages: nothing to redo
+    capsys.readouterr()
+    assert run(monkeypatch, "release", strict, "--quiet") == 1
+    out = capsys.readouterr().out
+    report = json.loads((root / "out" / "release" / "report.json").read_text())
+    assert set(report["steps"].values()) == {"skipped (inputs unchanged)"}
+    assert (root / "out" / "gptq" / "model.safetensors").stat().st_mtime_ns == before
+    assert out.splitlines()[0].split() == ["gate", "measured", "required", "result"]
+    assert "kld_mean_max" in out and "FAIL" in out and "release:" in out and "FAILED" in out
+    assert "## Release gates: FAILED" in (root / "out" / "compressed-tensors" / "README.md").read_text()
+
+
+def test_gate_command_on_the_report(released, tmp_path, monkeypatch, capsys):
+    root, recipe, _ = released
+    report = root / "out" / "release" / "report.json"
+    out_json = tmp_path / "gates.json"
+    assert run(monkeypatch, "gate", report, "--recipe", recipe, "--json", out_json) == 0
+    assert json.loads(out_json.read_text())["passed"] is True
+    assert run(monkeypatch, "gate", report, "--recipe", root / "strict.yaml") == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("gates: FAILED")
+    assert run(monkeypatch, "gate", tmp_path / "nope.json") == 2
+    assert "not a readable release report" in capsys.readouterr().err
+
+
+def test_changed_stage_reruns_quantize(released, tiny_llama, monkeypatch, capsys):
+    root, _, _ = released
+    changed = write(root / "changed.yaml", tiny_llama, root / "out", LOOSE)
+    changed.write_text(changed.read_text().replace("sym: true", "sym: false"))
+    assert run(monkeypatch, "release", changed, "--quiet") == 0
+    report = json.loads((root / "out" / "release" / "report.json").read_text())
+    assert report["steps"] == {"quantize": "ran", "eval": "ran", "bench": "ran"}
+
+
+def test_gates_fail_when_nothing_was_measured():
+    results = evaluate(Gates(kld_mean_max=0.1, decode_speedup_min=2.0), {"ppl": {"model": 10.0}}, None)
+    assert [r.passed for r in results] == [False, False]
+    assert "not measured" in table(results)
+
+
+def test_gate_declared_for_a_task_not_evaluated_is_a_recipe_error(tiny_llama, tmp_path, monkeypatch, capsys):
+    recipe = write(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", "{tasks: {arc_easy: {min_ratio: 0.98}}}")
+    assert run(monkeypatch, "release", recipe) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "gates.tasks.arc_easy: the task is not evaluated" in err
