@@ -11,7 +11,7 @@ EVAL_TASKS ?= lambada_openai,arc_easy
 TASK_LIMIT ?= 300
 STAMP := .setup.stamp
 
-.PHONY: help setup test test-fast demo quantize eval clean
+.PHONY: help setup test test-fast demo quantize eval bench release gpu-suite clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -39,7 +39,21 @@ eval: setup  ## both demo artifacts vs the original: ppl, KLD, lm-eval tasks, ge
 	quantkit report $(OUT)/compressed-tensors $(OUT)/gptq --base $(BASE) --dataset wikitext2 $(EVAL_LIMIT) \
 		--tasks $(EVAL_TASKS) $(if $(TASK_LIMIT),--limit $(TASK_LIMIT)) --out $(OUT)/report
 
+# bench: batch sizes and lengths (CPU defaults keep one run under ~5 min on 2 cores)
+BENCH_BATCH ?= 1,8
+BENCH_ARGS ?= --prompt-len 512 --gen-len 64 --reps 3
+
+bench: setup  ## memory and tokens/s of $(OUT)/gptq against the original on this device (quantkit bench)
+	quantkit bench $(OUT)/gptq --baseline $(BASE) --batch $(BENCH_BATCH) $(BENCH_ARGS) \
+		--json $(OUT)/bench.json --markdown $(OUT)/bench.md
+
+release: setup  ## quantize -> eval -> bench -> gates -> model card for RECIPE (re-runs skip finished steps)
+	quantkit release $(RECIPE)
+
+gpu-suite:  ## the prepared H200 suite, smoke-tested on this CPU (SMOKE=1); on a GPU run bench/gpu_suite.sh directly
+	SMOKE=1 OUT=out/gpu-smoke WORK=out/gpu-smoke/work bash bench/gpu_suite.sh
+
 demo: quantize eval  ## set up, quantize the bundled model, compare both artifacts with the original
 
-clean:  ## remove build outputs and artifacts
+clean:  ## remove build outputs, artifacts, checkpoints of killed runs and the eval cache under out/
 	rm -rf out build *.egg-info .pytest_cache $(STAMP)
