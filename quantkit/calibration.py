@@ -23,9 +23,12 @@ def build(tokenizer, cfg: Calibration) -> CalibrationSet:
     path = data.resolve(cfg.dataset, "calibration", "calibration.dataset")
     text = data.read_text(path, cfg.text_field, "calibration.dataset")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
-    if ids.numel() < cfg.seq_len + 1:
+    # windows may overlap, but a text shorter than num_samples x seq_len would mostly repeat itself
+    need = cfg.num_samples * cfg.seq_len
+    if ids.numel() < need:
         raise QuantkitError(
-            f"calibration.dataset: {path} has {ids.numel()} tokens, fewer than seq_len={cfg.seq_len} (too short)"
+            f"calibration.dataset: {path} has {ids.numel()} tokens, need at least {need} (num_samples "
+            f"{cfg.num_samples} x seq_len {cfg.seq_len}); use a longer text or lower num_samples / seq_len"
         )
     gen = torch.Generator().manual_seed(cfg.seed)
     starts = torch.randint(0, ids.numel() - cfg.seq_len + 1, (cfg.num_samples,), generator=gen)

@@ -336,9 +336,10 @@ def parse_size(text: str) -> int:
     raise PydanticCustomError("size", "max_shard_size: {t} is not a size like 2GB or 500MB", {"t": repr(text)})
 
 
-def _path_part(key: Any) -> str:
+def _path_part(key: str | int) -> str:
     """A key as written in a field path: user-chosen keys (task names) quoted unless plain, so a path is one line."""
-    return str(key) if isinstance(key, int) or re.fullmatch(r"[\w-]+", key) else repr(key)
+    plain = isinstance(key, int) or re.fullmatch(r"[\w\[\]-]+", key)  # '[key]': pydantic's marker for a dict key
+    return str(key) if plain else repr(key)
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
