@@ -31,6 +31,10 @@ constexpr int64_t kDequantRows = 256;
 // zeros) took M=1 over 30 distinct weights, i.e. weights not in L2 (1 thread, mean of 4 runs), from ~177 to ~95 us
 // at N=576 K=1536 and from ~107 to ~95 us at N=1536 K=576; 2, 4 or 8 blocks ahead did worse.
 constexpr int64_t kPrefetchBlocks = 1;
+// Below this many weights a call stays on one thread (torch's own grain size is 32768 elements): a parallel region
+// costs a few us, and far more when another process holds the cores and the team waits for a descheduled thread
+// (a 2-layer test model ran 10x slower than fp32 that way).
+constexpr int64_t kParallelMinWeights = 1 << 16;
 
 inline void unpack16(const uint8_t* p, __m256& lo, __m256& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -141,7 +145,7 @@ void gemv_rows(const Problem& p, int64_t M, int64_t n0, int64_t rows) {
 // out[r, k] = (q[n0 + r, k] - z) * s for rows [n0, n0 + rows)
 void dequant_rows(const uint8_t* packed, const float* scales, const float* zeros, int64_t K, int64_t G, int64_t gs,
                   int64_t n0, int64_t rows, float* out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * K >= kParallelMinWeights)
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* w = packed + (n0 + r) * (K / 2);
     float* o = out + r * K;
@@ -196,7 +200,7 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Ten
   const Problem p{xp, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), xsum.data(),
                   y.data_ptr<float>(), N, K, G, group_size};
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= kParallelMinWeights)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n0 = b * kRowBlock, ahead = n0 + kPrefetchBlocks * kRowBlock;
     if (ahead < N) {
