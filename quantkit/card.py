@@ -85,7 +85,7 @@ def card(recipe: Recipe, folder: Path, report: dict, results: list[gate_checks.G
         f"# {Path(recipe.export.output).name} ({fmt})", "",
         f"`{recipe.model}` quantized with quantkit {manifest.get('quantkit_version')}: {stages}; format `{fmt}`.", "",
         "## Recipe", "", "```yaml",
-        yaml.safe_dump(recipe.model_dump(mode="json", exclude={"release", "gates"}), sort_keys=False).rstrip(), "```", "",
+        yaml.safe_dump(recipe.model_dump(mode="json", exclude={"release", "gates"}, exclude_none=True), sort_keys=False).rstrip(), "```", "",
         "## Calibration", "",
         (f"{calib['num_samples']} × {calib['seq_len']} tokens from {calib['source']}, sha256 `{calib['sha256']}`."
          if calib else "None (round-to-nearest needs no data)."), "",
