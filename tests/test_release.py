@@ -98,6 +98,16 @@ def test_gate_command_on_the_report(released, tmp_path, monkeypatch, capsys):
     assert "not a readable release report" in capsys.readouterr().err
 
 
+def test_release_and_quantize_write_the_same_bytes(released, tiny_llama, tmp_path, monkeypatch):
+    root, recipe, _ = released
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(recipe.read_text().replace(f"output: {root / 'out'}", f"output: {tmp_path / 'q'}"))
+    assert run(monkeypatch, "quantize", plain, "--quiet") == 0
+    for fmt in ("gptq", "compressed-tensors"):
+        assert (tmp_path / "q" / fmt / "model.safetensors").read_bytes() == \
+            (root / "out" / fmt / "model.safetensors").read_bytes(), fmt
+
+
 def test_changed_stage_reruns_quantize(released, tiny_llama, monkeypatch, capsys):
     root, _, _ = released
     changed = write(root / "changed.yaml", tiny_llama, root / "out", LOOSE)
@@ -118,3 +128,4 @@ def test_gate_declared_for_a_task_not_evaluated_is_a_recipe_error(tiny_llama, tm
     assert run(monkeypatch, "release", recipe) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "gates.tasks.arc_easy: the task is not evaluated" in err
+
