@@ -37,6 +37,18 @@ def tiny_factory(tmp_path_factory):
     return get
 
 
+def run_cli(monkeypatch, *args) -> int:
+    """`quantkit ARGS` in this process, as the console script runs it; returns the exit code."""
+    from quantkit import cli
+
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    try:
+        cli.main()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
 def write_recipe(path: Path, model: Path | str, output: Path, stage: str, formats=("gptq", "compressed-tensors"),
                  samples: int = 8, seq_len: int = 64, extra: str = "") -> Path:
     path.write_text(

@@ -1,29 +1,19 @@
 """The whole path on tiny random models: recipe -> layer-wise GPTQ/RTN -> artifacts -> runtime/eval."""
 
 import json
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import write_recipe
-from quantkit import cli, pipeline, runtime
+from conftest import run_cli, write_recipe
+from quantkit import pipeline, runtime
 from quantkit.calibration import build
 from quantkit.errors import QuantkitError
 from quantkit.model import load_model
 from quantkit.progress import Reporter
 from quantkit.recipe import parse_recipe
 from reference_readers import read_compressed_tensors, read_gptq
-
-
-def run_cli(monkeypatch, *args) -> int:
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    try:
-        cli.main()
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
 
 
 def recipe_for(model, stage="gptq: {bits: 4, group_size: 32, sym: true, act_order: true}", samples=8):

@@ -4,12 +4,11 @@ steps skipped on a re-run, the model card, and `quantkit gate` on the report."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
-from quantkit import cli
 from quantkit.export.artifact import sha256_file
 from quantkit.gates import evaluate, table
 from quantkit.recipe import Gates
@@ -27,15 +26,6 @@ def write(path: Path, model: Path, out: Path, gates: str) -> Path:
     return path
 
 
-def run(monkeypatch, *args) -> int:
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    try:
-        cli.main()
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
-
-
 LOOSE = "{ppl_increase_pct: 50, kld_mean_max: 1.0, same_top_min: 0.5, weight_bytes_ratio_max: 0.95}"
 STRICT = "{ppl_increase_pct: 0.001, kld_mean_max: 0.0, same_top_min: 1.0, decode_speedup_min: 100}"
 
@@ -45,7 +35,7 @@ def released(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("release")
     recipe = write(root / "loose.yaml", tiny_llama, root / "out", LOOSE)
     mp = pytest.MonkeyPatch()
-    code = run(mp, "release", recipe, "--quiet")
+    code = run_cli(mp, "release", recipe, "--quiet")
     mp.undo()
     return root, recipe, code
 
@@ -75,7 +65,7 @@ def test_rerun_skips_every_step_and_a_failing_gate_exits_1(released, tiny_llama,
     before = (root / "out" / "gptq" / "model.safetensors").stat().st_mtime_ns
     strict = write(root / "strict.yaml", tiny_llama, root / "out", STRICT)  # same stages: nothing to redo
     capsys.readouterr()
-    assert run(monkeypatch, "release", strict, "--quiet") == 1
+    assert run_cli(monkeypatch, "release", strict, "--quiet") == 1
     out = capsys.readouterr().out
     report = json.loads((root / "out" / "release" / "report.json").read_text())
     assert set(report["steps"].values()) == {"skipped (inputs unchanged)"}
@@ -89,12 +79,12 @@ def test_gate_command_on_the_report(released, tmp_path, monkeypatch, capsys):
     root, recipe, _ = released
     report = root / "out" / "release" / "report.json"
     out_json = tmp_path / "gates.json"
-    assert run(monkeypatch, "gate", report, "--recipe", recipe, "--json", out_json) == 0
+    assert run_cli(monkeypatch, "gate", report, "--recipe", recipe, "--json", out_json) == 0
     assert json.loads(out_json.read_text())["passed"] is True
-    assert run(monkeypatch, "gate", report, "--recipe", root / "strict.yaml") == 1
+    assert run_cli(monkeypatch, "gate", report, "--recipe", root / "strict.yaml") == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].startswith("gates: FAILED")
-    assert run(monkeypatch, "gate", tmp_path / "nope.json") == 2
+    assert run_cli(monkeypatch, "gate", tmp_path / "nope.json") == 2
     assert "not a readable release report" in capsys.readouterr().err
 
 
@@ -102,7 +92,7 @@ def test_release_and_quantize_write_the_same_bytes(released, tiny_llama, tmp_pat
     root, recipe, _ = released
     plain = tmp_path / "plain.yaml"
     plain.write_text(recipe.read_text().replace(f"output: {root / 'out'}", f"output: {tmp_path / 'q'}"))
-    assert run(monkeypatch, "quantize", plain, "--quiet") == 0
+    assert run_cli(monkeypatch, "quantize", plain, "--quiet") == 0
     for fmt in ("gptq", "compressed-tensors"):
         assert (tmp_path / "q" / fmt / "model.safetensors").read_bytes() == \
             (root / "out" / fmt / "model.safetensors").read_bytes(), fmt
@@ -112,7 +102,7 @@ def test_changed_stage_reruns_quantize(released, tiny_llama, monkeypatch, capsys
     root, _, _ = released
     changed = write(root / "changed.yaml", tiny_llama, root / "out", LOOSE)
     changed.write_text(changed.read_text().replace("sym: true", "sym: false"))
-    assert run(monkeypatch, "release", changed, "--quiet") == 0
+    assert run_cli(monkeypatch, "release", changed, "--quiet") == 0
     report = json.loads((root / "out" / "release" / "report.json").read_text())
     assert report["steps"] == {"quantize": "ran", "eval": "ran", "bench": "ran"}
 
@@ -125,7 +115,7 @@ def test_gates_fail_when_nothing_was_measured():
 
 def test_gate_declared_for_a_task_not_evaluated_is_a_recipe_error(tiny_llama, tmp_path, monkeypatch, capsys):
     recipe = write(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", "{tasks: {arc_easy: {min_ratio: 0.98}}}")
-    assert run(monkeypatch, "release", recipe) == 2
+    assert run_cli(monkeypatch, "release", recipe) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "gates.tasks.arc_easy: the task is not evaluated" in err
 
