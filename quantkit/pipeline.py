@@ -219,7 +219,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
             for k, v in counters.items():
                 setattr(p, k, v)
         first = checkpoints.state["done"] + 1
-        report.info(f"resuming at block {first + 1}/{len(blocks)} from {checkpoints.folder}")
+        report.info(f"resuming after block {first}/{len(blocks)} from {checkpoints.folder}")
     start = time.perf_counter()
     for i, block in enumerate(blocks):
         if i < first:
@@ -234,7 +234,13 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                 out = block(x, *call_args, **call_kwargs)
             return out[0] if isinstance(out, tuple) else out
 
+        # SmoothQuant right before gptq smooths inside gptq's forward, one forward less per block (rtn rounds
+        # every weight before its forward, so it needs the scales folded first)
+        inline = passes[-1] if stage.name == "gptq" and passes and \
+            isinstance(passes[-1], transform_passes.SmoothQuantPass) else None
         for p in passes:
+            if p is inline:
+                continue
             with report.timed(p.name):
                 handles = p.observe(i, block)
                 try:
@@ -244,8 +250,15 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                         handle.remove()
                 for warning in p.apply(i, block):
                     report.warn(warning)
+        handles, inline_warnings = inline.inline(i, block) if inline else ([], list)
         step = _gptq_block if stage.name == "gptq" else _rtn_block
-        hidden = step(run, hidden, names, stage.args, result, report)
+        try:
+            hidden = step(run, hidden, names, stage.args, result, report)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for warning in inline_warnings():
+            report.warn(warning)
         _check_finite(hidden, f"after {prefix}.{i}")
         block.to("cpu")
         if checkpoints is not None:

@@ -12,7 +12,7 @@ warnings) and `summary()` (one progress line), plus `notes` about the structure,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -26,28 +26,35 @@ from .model import block_linears, matches
 from .recipe import AWQ, SmoothQuant, Stage
 
 
+def plan_mappings(path: str, prefix: str, blocks: nn.ModuleList,
+                  find: Callable[[nn.Module], tuple[list[Mapping], list[str]]],
+                  keep: Callable[[int, str, Mapping], bool], what: str, all_ignored: str
+                  ) -> tuple[list[list[Mapping]], list[str], list[str]]:
+    """Per block, the mappings `find` gives that `keep(i, block_name, mapping)` admits, the blocks' dotted
+    names and the structure notes. Fails before any work when no block has a mapping or all are ignored."""
+    mappings, names, notes, found = [], [], set(), 0
+    for i, block in enumerate(blocks):
+        where = f"{prefix}.{i}"
+        block_mappings, block_notes = find(block)
+        found += len(block_mappings)
+        notes.update(block_notes)
+        mappings.append([m for m in block_mappings if keep(i, where, m)])
+        names.append(where)
+    if not found:
+        raise QuantkitError(f"{path}: no {what} in {type(blocks[0]).__name__} ({'; '.join(sorted(notes))})")
+    if not any(mappings):
+        raise QuantkitError(f"{path}.ignore: {all_ignored}")
+    return mappings, names, sorted(notes)
+
+
 class SmoothQuantPass:
     name = "smoothquant"
 
     def __init__(self, args: SmoothQuant, path: str, prefix: str, blocks: nn.ModuleList):
         self.args, self.path = args, path
-        self.mappings: list[list[Mapping]] = []
-        self.block_names: list[str] = []
-        notes: set[str] = set()
-        found = 0
-        for i, block in enumerate(blocks):
-            where = f"{prefix}.{i}"
-            mappings, block_notes = norm_mappings(block)
-            found += len(mappings)
-            notes.update(block_notes)
-            self.mappings.append([m for m in mappings if not self._ignored(where, m)])
-            self.block_names.append(where)
-        if not found:
-            cls = type(blocks[0]).__name__
-            raise QuantkitError(f"{path}: no norm -> Linear pair to smooth in {cls} ({'; '.join(sorted(notes))})")
-        if not any(self.mappings):
-            raise QuantkitError(f"{path}.ignore: every norm -> Linear mapping is ignored; nothing to smooth")
-        self.notes = sorted(notes)
+        self.mappings, self.block_names, self.notes = plan_mappings(
+            path, prefix, blocks, norm_mappings, lambda i, where, m: not self._ignored(where, m),
+            "norm -> Linear pair to smooth", "every norm -> Linear mapping is ignored; nothing to smooth")
         self.absmax: dict[tuple[int, int], torch.Tensor] = {}  # (block, mapping) -> max |x| per channel
         self.smoothed = 0
 
@@ -72,19 +79,54 @@ class SmoothQuantPass:
         """Folds the scales; returns a warning for each mapping the calibration data never reached."""
         warnings = []
         for k, m in enumerate(self.mappings[i]):
-            where = f"{self.block_names[i]}.{m.prev_name}"
             x = self.absmax.pop((i, k), None)
             if x is None:
-                warnings.append(f"{where} was not reached by calibration data; left unsmoothed")
+                warnings.append(f"{self.block_names[i]}.{m.prev_name} was not reached by calibration data; "
+                                "left unsmoothed")
                 continue
-            s = smoothing_scale(x, [lin.weight for lin in m.linears], self.args.alpha)
-            try:
-                fold(m, s)
-            except ValueError:
-                raise QuantkitError(f"{self.path}: non-finite smoothing scale for {where} (activation max "
-                                    f"{float(x.max()):.3g}); use dtype: float32") from None
-            self.smoothed += 1
+            self._fold(i, m, x)
         return warnings
+
+    def _fold(self, i: int, m: Mapping, x_absmax: torch.Tensor) -> torch.Tensor:
+        s = smoothing_scale(x_absmax, [lin.weight for lin in m.linears], self.args.alpha)
+        try:
+            fold(m, s)
+        except ValueError:
+            raise QuantkitError(f"{self.path}: non-finite smoothing scale for {self.block_names[i]}.{m.prev_name} "
+                                f"(activation max {float(x_absmax.max()):.3g}); use dtype: float32") from None
+        self.smoothed += 1
+        return s
+
+    def inline(self, i: int, block: nn.Module) -> tuple[list, Callable[[], list[str]]]:
+        """Smoothing inside the weight stage's own forward of block i, which saves the float forward that
+        observe() needs: when a mapping's Linears first read the norm's output x, the scale comes from x, is
+        folded, and they read x / s instead (what the folded norm would have produced). The q/k/v input is the
+        block input's norm, as in observe(); gate/up's comes after the already quantized attention, i.e. from
+        what the quantized model feeds them. Returns hook handles and a function giving the warnings for
+        mappings never reached."""
+        seen: dict[int, dict] = {}
+
+        def hook(k: int, m: Mapping):
+            def pre_hook(module: nn.Module, inputs: tuple) -> tuple:
+                x, st = inputs[0], seen.setdefault(k, {})
+                if st.get("x") is not x:  # q/k/v (gate/up) read one tensor: one scale, folded once
+                    if "s" not in st:
+                        st["s"] = self._fold(i, m, channel_absmax(x))
+                    st.update(x=x, xs=x / st["s"].to(x.device, x.dtype))
+                return (st["xs"], *inputs[1:])
+
+            return pre_hook
+
+        handles = [lin.register_forward_pre_hook(hook(k, m))
+                   for k, m in enumerate(self.mappings[i]) for lin in m.linears]
+
+        def warnings() -> list[str]:
+            missed = [f"{self.block_names[i]}.{m.prev_name} was not reached by calibration data; left unsmoothed"
+                      for k, m in enumerate(self.mappings[i]) if k not in seen]
+            seen.clear()
+            return missed
+
+        return handles, warnings
 
 
 # AWQ memory bounds. Clipping scores each Linear on a strided subsample of its input (AutoAWQ's
@@ -130,11 +172,7 @@ class AwqPass:
     def __init__(self, args: AWQ, path: str, prefix: str, blocks: nn.ModuleList):
         self.args, self.path = args, path
         self.spec = GridSpec(args.bits, args.group_size, args.sym)
-        self.mappings: list[list[Mapping]] = []
         self.targets: list[dict[str, nn.Linear]] = []  # per block: short name -> Linear that gets quantized
-        self.block_names: list[str] = []
-        notes: set[str] = set()
-        found = 0
         for i, block in enumerate(blocks):
             where = f"{prefix}.{i}"
             targets = {n: m for n, m in block_linears(block).items() if not matches(f"{where}.{n}", args.ignore)}
@@ -142,18 +180,10 @@ class AwqPass:
                 if self.spec.group_size != -1 and m.in_features % self.spec.group_size:
                     raise QuantkitError(f"{path}.group_size: {args.group_size} does not divide in_features "
                                         f"{m.in_features} of {where}.{n}")
-            mappings, block_notes = find_mappings(block)
-            found += len(mappings)
-            notes.update(block_notes)
-            self.mappings.append([m for m in mappings if any(n in targets for n in m.names)])
             self.targets.append(targets)
-            self.block_names.append(where)
-        if not found:
-            cls = type(blocks[0]).__name__
-            raise QuantkitError(f"{path}: no mapping to scale in {cls} ({'; '.join(sorted(notes))})")
-        if not any(self.mappings):
-            raise QuantkitError(f"{path}.ignore: every Linear of every mapping is ignored; nothing to scale")
-        self.notes = sorted(notes)
+        self.mappings, self.block_names, self.notes = plan_mappings(
+            path, prefix, blocks, find_mappings, lambda i, where, m: any(n in self.targets[i] for n in m.names),
+            "mapping to scale", "every Linear of every mapping is ignored; nothing to scale")
         self.stats: dict[tuple[int, int], dict] = {}  # (block, mapping) -> sums / gram / captured call
         self.inputs: dict[tuple[int, str], torch.Tensor] = {}  # (block, linear) -> input subsample
         self.ratios: list[float] = []

@@ -3,14 +3,13 @@ from a block with outlier channels, and `quantkit quantize` of W8A8 int8 (with a
 FP8 recipes, read back by quantkit's runtime as Int8Linear / Fp8Linear layers and by plain transformers."""
 
 import json
-import shutil
 
 import pytest
 import torch
 import yaml
 from torch import nn
 
-from conftest import write_recipe
+from conftest import run_cli, write_recipe
 from quantkit import calibration, pipeline, runtime, transforms
 from quantkit.algorithms.grid import INT8_CHANNEL
 from quantkit.algorithms.rtn import rtn_quantize
@@ -20,10 +19,8 @@ from quantkit.kernels.w8a8 import Fp8Linear, Int8Linear, fake_quantize_tokens, s
 from quantkit.model import decoder_blocks, load_model
 from quantkit.progress import Reporter
 from quantkit.recipe import SmoothQuant, load_recipe
-from test_pipeline import run_cli
-from tiny_models import tiny_config
+from tiny_models import add_outliers, save_with_outliers, tiny_config
 
-OUTLIERS = [3, 17, 40]  # input channels whose norm weight is scaled x50: LLM-style activation outliers
 SMOOTHED = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
 
 
@@ -34,12 +31,6 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def add_outliers(model: nn.Module, factor: float = 50.0) -> nn.Module:
-    with torch.no_grad():
-        for block in decoder_blocks(model)[1]:
-            for norm in (block.input_layernorm, block.post_attention_layernorm):
-                norm.weight[OUTLIERS] *= factor
-    return model
 
 
 def tiny_llama_model(outliers: bool) -> nn.Module:
@@ -47,7 +38,7 @@ def tiny_llama_model(outliers: bool) -> nn.Module:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", 512), dtype=torch.float32).eval()
-    return add_outliers(model) if outliers else model
+    return add_outliers(model, 50.0) if outliers else model
 
 
 def block0_call(model: nn.Module, ids: torch.Tensor):
@@ -136,6 +127,34 @@ def test_folding_leaves_the_float_model_unchanged(outliers):
         torch.testing.assert_close(model(ids).logits, ref, rtol=1e-5, atol=1e-5)  # measured 2.7e-6 with outliers
 
 
+def test_inline_smoothing_folds_the_same_scales_without_a_forward_of_its_own():
+    """SmoothQuant right before gptq smooths inside gptq's forward: the Linears read x / s as the forward runs,
+    the float function stays the same and the scales equal observe() / apply()'s."""
+    ids = torch.randint(0, 512, (2, 32), generator=gen(1))
+    separate, inline = tiny_llama_model(True), tiny_llama_model(True)
+    with torch.no_grad():
+        ref = separate(ids).logits
+    passes = [transforms.SmoothQuantPass(SmoothQuant(alpha=0.8), "stages.0.smoothquant", "model.layers",
+                                         decoder_blocks(m)[1]) for m in (separate, inline)]
+    for i, (a, b) in enumerate(zip(decoder_blocks(separate)[1], decoder_blocks(inline)[1])):
+        smooth(passes[0], i, a, lambda: separate(ids))
+        handles, warnings = passes[1].inline(i, b)
+        with torch.no_grad():
+            out = inline(ids).logits  # block i reads x / s while its scales are folded
+        for h in handles:
+            h.remove()
+        assert warnings() == []
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            torch.testing.assert_close(getattr(b, norm).weight, getattr(a, norm).weight, rtol=1e-5, atol=1e-6)
+    assert passes[1].smoothed == passes[0].smoothed == 4
+    handles, warnings = passes[1].inline(0, decoder_blocks(inline)[1][0])  # hooks in place, never run
+    for h in handles:
+        h.remove()
+    assert warnings() == [f"model.layers.0.{n} was not reached by calibration data; left unsmoothed"
+                          for n in ("input_layernorm", "post_attention_layernorm")]
+
+
 # ---------------------------------------------------------------------------------------------- error
 def w8a8_block_errors(smoothed: bool) -> dict[str, float]:
     """Relative errors, against the float block, of block 0 of a tiny llama with outlier channels: its
@@ -196,12 +215,7 @@ RECIPES = {
 @pytest.fixture(scope="module")
 def outlier_llama(tiny_llama, tmp_path_factory):
     """tests/tiny_models.py's llama with outlier channels in every norm, as an HF folder."""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("outlier") / "llama"
-    shutil.copytree(tiny_llama, folder)
-    add_outliers(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)).save_pretrained(folder)
-    return folder
+    return save_with_outliers(tiny_llama, tmp_path_factory.mktemp("outlier") / "llama", 50.0)
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +291,11 @@ def test_smoothquant_artifact_folds_into_the_norms_and_is_closer_to_the_original
         ref = original(ids).logits
         err = {n: float((m(ids).logits - ref).norm() / ref.norm()) for n, m in (("sq", sq), ("plain", plain))}
     assert err["sq"] < 0.8 * err["plain"], err  # measured 0.056 vs 0.092 (0.61x)
+
+
+def test_pipeline_smooths_inside_the_gptq_forward(w8a8_artifacts):
+    _, result = in_memory(w8a8_artifacts / "sq-int8.yaml")
+    assert "smoothquant" not in result.timings and result.timings["forward+quantize"] > 0  # no float forward
 
 
 def test_recipe_errors_reach_the_cli_as_one_line(tiny_llama, tmp_path, monkeypatch, capsys):
