@@ -8,18 +8,16 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
-from torch import nn
 
-from conftest import write_recipe
+from conftest import run_cli, write_recipe
 from quantkit import calibration, pipeline, runtime
 from quantkit.errors import QuantkitError
-from quantkit.model import decoder_blocks, load_model
+from quantkit.model import load_model
 from quantkit.progress import Reporter
 from quantkit.recipe import load_recipe, parse_recipe
 from reference_readers import read_awq_gemm, read_gptq
-from test_pipeline import run_cli
+from tiny_models import save_with_outliers
 
-OUTLIERS = [3, 17, 40]  # norm weight channels scaled x30: LLM-style activation outliers
 AWQ = "awq: {bits: 4, group_size: 32, zero_point: true, grid: 20, duo_scaling: false, clip: true, ignore: [lm_head]}"
 RECIPES = {  # name: (stages, formats)
     "awq": ([AWQ], ("awq", "compressed-tensors")),
@@ -31,22 +29,11 @@ RECIPES = {  # name: (stages, formats)
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one CPU thread
 
 
-def add_outliers(model: nn.Module, factor: float = 30.0) -> nn.Module:
-    with torch.no_grad():
-        for block in decoder_blocks(model)[1]:
-            for norm in (block.input_layernorm, block.post_attention_layernorm):
-                norm.weight[OUTLIERS] *= factor
-    return model
 
 
 @pytest.fixture(scope="module")
 def outlier_llama(tiny_llama, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("awq-outlier") / "llama"
-    shutil.copytree(tiny_llama, folder)
-    add_outliers(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)).save_pretrained(folder)
-    return folder
+    return save_with_outliers(tiny_llama, tmp_path_factory.mktemp("awq-outlier") / "llama", 30.0)
 
 
 def recipe_file(out, model, name):

@@ -12,10 +12,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import write_recipe
+from conftest import run_cli, write_recipe
 from quantkit.checkpoint import FOLDER as RESUME
 from quantkit.export import artifact
-from test_pipeline import run_cli
 
 RTN = "rtn: {bits: 4, group_size: 32}"  # no calibration: the quickest run to reach the check under test
 GPTQ = "gptq: {bits: 4, group_size: 32}"

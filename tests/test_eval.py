@@ -13,9 +13,8 @@ from quantkit.eval import cache
 from quantkit.eval.distribution import HIST_EDGES, BaseTopK, ShiftAccumulator, token_stats
 from quantkit.eval.generation import compare, load_prompts
 from quantkit.eval.tasks import parse_tasks, wikitext_pages
-from test_pipeline import run_cli
 from tiny_models import tiny_tokenizer
-from conftest import write_recipe
+from conftest import run_cli, write_recipe
 
 
 def brute_force(base_logits, model_logits, targets):

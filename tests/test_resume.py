@@ -68,7 +68,7 @@ def test_killed_run_resumes_and_is_byte_identical(four_layers, tmp_path, stages)
 
     resumed = quantize(recipe)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resuming at block 3/4" in resumed.stderr
+    assert "resuming after block 2/4" in resumed.stderr
     assert "block 1/4" not in resumed.stderr and "block 4/4" in resumed.stderr  # blocks 1-2 were not redone
     assert not (tmp_path / "out" / FOLDER).exists()  # checkpoints go once the artifacts are complete
     for fmt in formats:

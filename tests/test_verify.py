@@ -7,9 +7,8 @@ import shutil
 import pytest
 from safetensors import safe_open
 
-from conftest import write_recipe
+from conftest import run_cli, write_recipe
 from quantkit.export.artifact import sha256_file
-from test_pipeline import run_cli
 
 
 @pytest.fixture(scope="module")

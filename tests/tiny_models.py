@@ -49,3 +49,28 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **kw) -> P
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+OUTLIERS = [3, 17, 40]  # hidden channels whose norm weights add_outliers scales: LLM-style activation outliers
+
+
+def add_outliers(model, factor: float):
+    """Scale OUTLIERS of every block's input and post-attention norm by factor (in place); returns model."""
+    from quantkit.model import decoder_blocks
+
+    with torch.no_grad():
+        for block in decoder_blocks(model)[1]:
+            for norm in (block.input_layernorm, block.post_attention_layernorm):
+                norm.weight[OUTLIERS] *= factor
+    return model
+
+
+def save_with_outliers(src: Path, dst: Path, factor: float) -> Path:
+    """Copy the HF folder src to dst with add_outliers(factor) applied to its weights."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    add_outliers(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), factor).save_pretrained(dst)
+    return dst
