@@ -214,17 +214,6 @@ def output_folder(config: str, tool: str, args, model_dir: Path) -> Path:
     return args.out_dir / config / tool
 
 
-def error_lines(log_path: str | Path, n: int = 4) -> list[str]:
-    """The last lines of a failed child's log that look like the error (else its last lines)."""
-    try:
-        lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace").replace("\r", "\n").splitlines()
-                 if ln.strip()]
-    except OSError:
-        return []
-    hits = [ln for ln in lines if "error" in ln.lower() or "exception" in ln.lower()]
-    return (hits or lines)[-n:]
-
-
 def failure_note(config: str, tool: str, q: dict) -> str:
     """One line on why a quantize child failed; says so when quantkit rejected the awq recipe up front."""
     rc, why = q.get("rc"), " / ".join(q.get("error") or [])
@@ -328,41 +317,16 @@ def artifact_summary(config: str, folder: Path) -> dict:
     return out
 
 
-def eval_output(name: str, folder: Path, args, env) -> dict:
-    ejson = args.out_dir / "logs" / f"{name}.eval.json"
-    ejson.unlink(missing_ok=True)
-    cmd = pg.quantkit_cmd(args) + ["eval", str(folder), "--dataset", args.eval_dataset, "--seq-len",
-                                   str(args.eval_seq_len), "--no-generation", "--json", str(ejson)]
-    if args.max_eval_tokens:
-        cmd += ["--max-tokens", str(args.max_eval_tokens)]
-    res = pg.run_measured(cmd, args.out_dir / "logs" / f"{name}.eval.log", env, args.nice) | {"cmd": shlex.join(cmd)}
-    if res["rc"] == 0 and ejson.is_file():
-        body = json.loads(ejson.read_text())
-        res["ppl"] = (body.get("ppl") or {}).get("model")
-        res["eval_json"] = body
-    elif res["rc"] != 0:
-        res["error"] = error_lines(res["log"])
-    res["max_tokens"] = args.max_eval_tokens
-    return res
-
-
-def fmt(v, spec: str) -> str:
-    return "" if v is None else format(v, spec)
-
-
 def report(results: dict, configs: list[str], tools: list[str]) -> str:
     rows = [(FLOAT_KEY, FLOAT_KEY)] if FLOAT_KEY in tools and FLOAT_KEY in results else []
     rows += [(c, t) for c in configs for t in tools if t != FLOAT_KEY and t in results.get(c, {})]
     lines = ["| tool | config | wall s | CPU s | peak RSS MB | ppl |", "| --- | --- | ---: | ---: | ---: | ---: |"]
-    notes, cmds, scored = [], [], set()
+    notes, cmds, evals = [], [], []
     for config, tool in rows:
         r = results[config][tool]
         q, e = r.get("quantize") or {}, r.get("eval") or {}
         ok = q.get("rc") == 0
-        wall = fmt(q.get("wall_s"), ".1f") if ok else ("failed" if q else "")
-        cpu = fmt(q.get("cpu_s"), ".0f") if ok else ""
-        rss = fmt(q.get("peak_rss_mb"), ".0f") if ok else ""
-        ppl = fmt(e.get("ppl"), ".3f") if e.get("rc") == 0 else ("eval failed" if e else "")
+        wall, cpu, rss, ppl = pg.cells(q, e)
         label = "unquantized" if tool == FLOAT_KEY else config
         lines.append(f"| {tool} | {label} | {wall} | {cpu} | {rss} | {ppl} |")
         if q and not ok:
@@ -375,15 +339,13 @@ def report(results: dict, configs: list[str], tools: list[str]) -> str:
             notes.append(f"- {tool}/{config}: {p}")
         for p in (r.get("artifact") or {}).get("w8a8_runtime_mismatch", []):
             notes.append(f"- {tool}/{config} artifact: {p}")
-        if (e.get("eval_json") or {}).get("tokens_scored") is not None:
-            scored.add(e["eval_json"]["tokens_scored"])
+        evals.append(e)
         for what, d in (("quantize", q), ("eval", e)):
             if d.get("cmd"):
                 cmds.append(f"# {tool} / {label}: {what}\n{d['cmd']}")
     out = "\n".join(lines)
-    if scored:
-        out += (f"\n\nppl: `quantkit eval` on wikitext2 test, tokens scored: {', '.join(map(str, sorted(scored)))}"
-                + (" (DIFFERENT across rows: not comparable)" if len(scored) > 1 else ""))
+    if scored := pg.tokens_line(evals):
+        out += f"\n\n{scored}"
     metas = {json.dumps(results[c][t].get("quantize", {}).get("run"), sort_keys=True)
              for c, t in rows if results[c][t].get("quantize", {}).get("run")}
     if len(metas) == 1:
@@ -476,7 +438,7 @@ def main(argv=None) -> int:
             log(f"== {tool} / {config}: quantize")
             q = quantize_tool(config, tool, args, env, model_dir, calib, sha)
             if q["rc"] != 0:
-                q.setdefault("error", error_lines(q["log"]) if q.get("log") else [])
+                q.setdefault("error", pg.error_lines(q["log"]) if q.get("log") else [])
             entry.clear()
             entry["quantize"] = q | {"run": run_meta}
             failed |= q["rc"] != 0
@@ -494,7 +456,7 @@ def main(argv=None) -> int:
             log(f"{tool}/{config}: no output at {folder}; skipping eval")
             continue
         log(f"== {tool} / {config}: eval {folder}")
-        e = eval_output(name, folder, args, env)
+        e = pg.eval_output(name, folder, args, env, ("--no-generation",))
         entry["eval"] = e
         failed |= e["rc"] != 0
         if e.get("ppl") is not None:

@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import shlex
 import os
 import shutil
 import subprocess
@@ -344,18 +345,32 @@ def quantize_tool(tool: str, args, env, model_dir: Path, calib: Path, calib_sha:
     return res, out
 
 
-def eval_output(tool: str, folder: Path, args, env) -> dict:
-    ejson = args.out_dir / "logs" / f"{tool}.eval.json"
+def error_lines(log_path: str | Path, n: int = 4) -> list[str]:
+    """The last lines of a failed child's log that look like the error (else its last lines)."""
+    try:
+        lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace").replace("\r", "\n").splitlines()
+                 if ln.strip()]
+    except OSError:
+        return []
+    hits = [ln for ln in lines if "error" in ln.lower() or "exception" in ln.lower()]
+    return (hits or lines)[-n:]
+
+
+def eval_output(name: str, folder: Path, args, env, extra: tuple[str, ...] = ()) -> dict:
+    """`quantkit eval` of one output folder (its ppl in res["ppl"]); `name` names its log and JSON."""
+    ejson = args.out_dir / "logs" / f"{name}.eval.json"
     ejson.unlink(missing_ok=True)
     cmd = quantkit_cmd(args) + ["eval", str(folder), "--dataset", args.eval_dataset, "--seq-len",
-                                str(args.eval_seq_len), "--json", str(ejson)]
+                                str(args.eval_seq_len), *extra, "--json", str(ejson)]
     if args.max_eval_tokens:
         cmd += ["--max-tokens", str(args.max_eval_tokens)]
-    res = run_measured(cmd, args.out_dir / "logs" / f"{tool}.eval.log", env, args.nice)
+    res = run_measured(cmd, args.out_dir / "logs" / f"{name}.eval.log", env, args.nice) | {"cmd": shlex.join(cmd)}
     if res["rc"] == 0 and ejson.is_file():
         body = json.loads(ejson.read_text())
         res["ppl"] = (body.get("ppl") or {}).get("model")
         res["eval_json"] = body
+    elif res["rc"] != 0:
+        res["error"] = error_lines(res["log"])
     res["max_tokens"] = args.max_eval_tokens
     return res
 
@@ -364,23 +379,32 @@ def fmt(v, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
 
+def cells(q: dict, e: dict) -> tuple[str, str, str, str]:
+    """Table cells (wall s, CPU s, peak RSS MB, ppl) of one quantize result q and its eval e."""
+    ok = q.get("rc") == 0
+    wall = fmt(q.get("wall_s"), ".1f") if ok else ("failed" if q else "")
+    cpu = fmt(q.get("cpu_s"), ".0f") if ok else ""
+    rss = fmt(q.get("peak_rss_mb"), ".0f") if ok else ""
+    ppl = fmt(e.get("ppl"), ".3f") if e.get("rc") == 0 else ("eval failed" if e else "")
+    return wall, cpu, rss, ppl
+
+
+def tokens_line(evals: list[dict]) -> str:
+    """How many tokens the evals scored; flags rows that are not comparable."""
+    scored = sorted({(e.get("eval_json") or {}).get("tokens_scored") for e in evals} - {None})
+    if not scored:
+        return ""
+    return (f"ppl: `quantkit eval` on wikitext2 test, tokens scored: {', '.join(map(str, scored))}"
+            + (" (DIFFERENT across rows: not comparable)" if len(scored) > 1 else ""))
+
+
 def table(results: dict, tools: list[str]) -> str:
-    lines = ["| tool | wall s | peak RSS MB | ppl | cpu s |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| tool | wall s | CPU s | peak RSS MB | ppl |", "| --- | ---: | ---: | ---: | ---: |"]
     for tool in tools:
         r = results.get(tool, {})
-        q, e = r.get("quantize") or {}, r.get("eval") or {}
-        ok = q.get("rc") == 0
-        wall = fmt(q.get("wall_s"), ".1f") if ok else ("failed" if q else "")
-        rss = fmt(q.get("peak_rss_mb"), ".0f") if ok else ""
-        cpu = fmt(q.get("cpu_s"), ".0f") if ok else ""
-        ppl = fmt(e.get("ppl"), ".3f") if e.get("rc") == 0 else ("eval failed" if e else "")
-        lines.append(f"| {tool} | {wall} | {rss} | {ppl} | {cpu} |")
-    scored = sorted({(e.get("eval_json") or {}).get("tokens_scored") for t in tools
-                     for e in [results.get(t, {}).get("eval") or {}]} - {None})
-    if scored:
-        lines.append(f"\nppl: `quantkit eval` on wikitext2 test, tokens scored: {', '.join(map(str, scored))}"
-                     + (" (DIFFERENT across rows: not comparable)" if len(scored) > 1 else ""))
-    return "\n".join(lines)
+        lines.append("| " + " | ".join([tool, *cells(r.get("quantize") or {}, r.get("eval") or {})]) + " |")
+    scored = tokens_line([results.get(t, {}).get("eval") or {} for t in tools])
+    return "\n".join(lines) + (f"\n\n{scored}" if scored else "")
 
 
 def parse_args(argv):
