@@ -10,6 +10,7 @@ import yaml
 
 from . import gates as gate_checks
 from .export.artifact import MANIFEST_NAME, sha256_file
+from .files import write_json_atomic, write_text_atomic
 from .recipe import Recipe
 
 LOADERS = {
@@ -28,11 +29,15 @@ LOADERS = {
 }
 
 
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
 def _quality(ev: dict | None) -> list[str]:
     if not ev:
         return ["Not evaluated."]
     ppl, kld = ev.get("ppl", {}), ev.get("kld") or {}
-    lines = [f"WikiText-2 ({ev.get('dataset')}), {ev.get('tokens', '?')} tokens in windows of {ev.get('seq_len')}; "
+    lines = [f"Perplexity on {ev.get('dataset')}, {ev.get('tokens', '?')} tokens in windows of {ev.get('seq_len')}; "
              f"KLD against the original's full next-token distributions (top-{ev.get('top_k', '?')} + rest).", "",
              "| metric | this artifact | original |", "|---|---:|---:|",
              f"| perplexity | {ppl.get('model', float('nan')):.4f} | {ppl.get('base', float('nan')):.4f} |"]
@@ -43,8 +48,7 @@ def _quality(ev: dict | None) -> list[str]:
     for task, t in (ev.get("tasks") or {}).items():
         metric, score, ratio = gate_checks.task_quality_ratio(t)
         base = (t.get("base") or {}).get(metric)
-        lines.append(f"| {task} {metric} | {score:.4f} | {base:.4f} |" if base is not None else
-                     f"| {task} {metric} | {score:.4f} | - |")
+        lines.append(f"| {task} {metric} | {_num(score)} | {_num(base)} |")
     if ev.get("generation"):
         g = ev["generation"]
         lines.append(f"| greedy generation token agreement | {100 * g['token_agreement']:.1f} % | 100 % |")
@@ -114,15 +118,10 @@ def write_cards(recipe: Recipe, root: Path, report: dict, results: list[gate_che
     out = []
     for fmt in recipe.export.formats:
         folder = root / fmt
-        path = folder / "README.md"
-        tmp = folder / "README.md.tmp"
-        tmp.write_text(card(recipe, folder, report, results))
-        tmp.replace(path)
+        path = write_text_atomic(folder / "README.md", card(recipe, folder, report, results))
         manifest_path = folder / MANIFEST_NAME
         manifest = json.loads(manifest_path.read_text())
-        manifest["files"]["README.md"] = sha256_file(path)
-        tmp = folder / (MANIFEST_NAME + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        tmp.replace(manifest_path)
+        manifest["files"]["README.md"] = sha256_file(path)  # a crash before this line: the next release rewrites both
+        write_json_atomic(manifest_path, manifest)
         out.append(path)
     return out

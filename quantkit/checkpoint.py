@@ -24,6 +24,7 @@ from torch import nn
 
 from .algorithms.fp8 import Fp8Weight
 from .algorithms.grid import GridSpec, QuantizedWeight
+from .files import write_json_atomic
 
 FOLDER = ".quantkit-resume"
 
@@ -83,9 +84,7 @@ class BlockCheckpoints:
         state = self.state
         body = {"done": i, "losses": state.get("losses", {}) | losses, "specs": state.get("specs", {}) | specs,
                 "extra": extra}
-        tmp = self.folder / "state.json.tmp"
-        tmp.write_text(json.dumps(body))
-        tmp.replace(self.folder / "state.json")
+        write_json_atomic(self.folder / "state.json", body, indent=None)
         (self.folder / f"hidden-{i - 1}.safetensors").unlink(missing_ok=True)  # only the newest one is ever read
 
     def restore(self, blocks: nn.ModuleList, device: torch.device) -> tuple[torch.Tensor, dict, dict, dict]:

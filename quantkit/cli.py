@@ -1,5 +1,5 @@
 """quantkit command line: `quantkit quantize RECIPE`, `quantkit eval MODEL`, `quantkit report A B ...`,
-`quantkit bench ARTIFACT`."""
+`quantkit bench ARTIFACT`, `quantkit verify ARTIFACT`, `quantkit release RECIPE`, `quantkit gate REPORT`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from .errors import QuantkitError
+from .files import write_json_atomic
 from .progress import Reporter
 from .versions import package_versions
 
@@ -17,7 +18,7 @@ from .versions import package_versions
 def write_json(path: str | None, body: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(body, indent=2) + "\n")
+        write_json_atomic(path, body)
 
 
 @click.group()
@@ -192,10 +193,16 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
     """Memory and tokens/s of each ARTIFACT on the device with real low-bit kernels (and of the original with
     --baseline, once), a roofline of each decode run; results also go into each artifact's quantkit.json."""
     from .bench.runner import BenchOptions, markdown, record_in_manifest, run_bench
+    from .model import resolve_model_path
 
     for artifact in artifacts:
         if not Path(artifact).exists():
             raise QuantkitError(f"ARTIFACT: not found: {artifact}")
+    if baseline:  # checked before minutes of benching, not when its turn comes last
+        try:
+            resolve_model_path(baseline)
+        except QuantkitError as err:
+            raise QuantkitError(f"--baseline: {str(err).removeprefix('model: ')}") from None
     o = BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len, device=device,
                      dtype=dtype, baseline_dtype=baseline_dtype, reps=reps, compile=compile_,
                      int4_backend=int4_backend)
@@ -204,14 +211,18 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
     body["versions"] = package_versions()
     table = markdown(body)
     click.echo(table)
-    for artifact in artifacts:
-        manifest = record_in_manifest(artifact, body)
-        if manifest:
-            rep.info(f"recorded in {manifest}")
-    write_json(json_out, body)
+    write_json(json_out, body)  # the measurements first: a manifest that cannot be updated must not lose them
     if md_out:
         Path(md_out).parent.mkdir(parents=True, exist_ok=True)
         Path(md_out).write_text(table + "\n")
+    for artifact in artifacts:
+        try:
+            manifest = record_in_manifest(artifact, body)
+        except (OSError, ValueError) as err:
+            rep.warn(f"{artifact}: results not recorded in its quantkit.json ({err})")
+            continue
+        if manifest:
+            rep.info(f"recorded in {manifest}")
 
 
 @cli.command("verify")
@@ -239,7 +250,9 @@ def verify_cmd(artifact: str, json_out: str | None, quiet: bool) -> None:
 @click.argument("recipe_path", metavar="RECIPE")
 @click.option("--quiet", is_flag=True, help="Only warnings, errors and the gate table.")
 @click.option("--json", "json_out", metavar="FILE", help="Also write the release report here.")
-def release(recipe_path: str, quiet: bool, json_out: str | None) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace artifact folders that another recipe wrote (folders "
+              "from an earlier release of this output are replaced anyway).")
+def release(recipe_path: str, quiet: bool, json_out: str | None, overwrite: bool) -> None:
     """Quantize -> eval against the original -> bench -> gates -> model card, from one recipe. Steps whose
     inputs are unchanged are skipped, so a re-run resumes. Exit 1 when a gate fails."""
     from . import gates
@@ -247,7 +260,7 @@ def release(recipe_path: str, quiet: bool, json_out: str | None) -> None:
     from .release import Release
 
     recipe = load_recipe(recipe_path)
-    body = Release(recipe, recipe_path, Reporter(quiet)).run()
+    body = Release(recipe, recipe_path, Reporter(quiet), overwrite).run()
     write_json(json_out, body)
     results = [gates.GateResult(**r) for r in body["gates"]["results"]]
     click.echo(gates.table(results) if results else "no gates declared")
@@ -267,7 +280,9 @@ def gate(report_path: str, recipe_path: str | None, json_out: str | None) -> Non
     """Check release gates against a release report (EXPORT_OUTPUT/release/report.json): a table of measured vs
     required; exit 1 when any gate fails."""
     from . import gates
-    from .recipe import Gates, load_recipe
+    from pydantic import ValidationError
+
+    from .recipe import Gates, format_validation_error, load_recipe
 
     try:
         body = json.loads(Path(report_path).read_text())
@@ -275,8 +290,15 @@ def gate(report_path: str, recipe_path: str | None, json_out: str | None) -> Non
         raise QuantkitError(f"{report_path}: not a readable release report ({err})") from None
     if not isinstance(body, dict) or "eval" not in body or "gates" not in body:
         raise QuantkitError(f"{report_path}: not a quantkit release report (no 'eval' / 'gates')")
-    declared = load_recipe(recipe_path).gates if recipe_path else Gates.model_validate(body["gates"]["declared"])
-    results = gates.evaluate(declared, body["eval"], body.get("bench"), body.get("artifact"))
+    declared = load_recipe(recipe_path).gates if recipe_path else None
+    try:
+        if declared is None:
+            declared = Gates.model_validate((body["gates"] or {}).get("declared"))
+        results = gates.evaluate(declared, body["eval"], body.get("bench"), body.get("artifact"))
+    except ValidationError as err:
+        raise QuantkitError(format_validation_error(err, f"{report_path}: gates.declared")) from None
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        raise QuantkitError(f"{report_path}: malformed release report ({type(err).__name__}: {err})") from None
     click.echo(gates.table(results) if results else "no gates declared")
     summary = gates.summary(results)
     write_json(json_out, summary)

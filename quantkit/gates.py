@@ -30,18 +30,22 @@ def _check(name: str, measured: float | None, op: str, required: float, detail: 
     return GateResult(name, measured, required, op, ok, detail)
 
 
+def is_lower_better(metric: str) -> bool:
+    return any(t in metric for t in LOWER_IS_BETTER)
+
+
 def task_quality_ratio(task: dict) -> tuple[str, float | None, float | None]:
     """(metric, model score, model/base quality ratio) for a task result of `quantkit eval`: the first main metric
-    present; for lower-is-better metrics the ratio is base/model, so 'min_ratio' always means 'keeps this much'."""
-    model, base = task.get("model", {}), task.get("base") or {}
-    metric = next((m for m in MAIN_METRICS if m in model), None)
+    present (lm-eval names some with a filter, e.g. `exact_match,strict-match`); for lower-is-better metrics the
+    ratio is base/model, so 'min_ratio' always means 'keeps this much'."""
+    model, base = task.get("model") or {}, task.get("base") or {}
+    metric = next((k for m in MAIN_METRICS for k in model if k.split(",")[0] == m), None)
     if metric is None:
         return "?", None, None
     score, ref = model[metric], base.get(metric)
     if ref is None or score is None or ref == 0 or score == 0:
         return metric, score, None
-    lower = any(t in metric for t in LOWER_IS_BETTER)
-    return metric, score, (ref / score if lower else score / ref)
+    return metric, score, (ref / score if is_lower_better(metric) else score / ref)
 
 
 def _speed(bench: dict | None, artifact: str | None, batch: int, key: str) -> float | None:
@@ -67,7 +71,13 @@ def evaluate(gates: Gates, eval_body: dict | None, bench: dict | None, artifact:
         if g.min_ratio is not None:
             out.append(_check(f"tasks.{task}.min_ratio", ratio, ">=", g.min_ratio, metric))
         if g.min is not None:
-            out.append(_check(f"tasks.{task}.min", score, ">=", g.min, metric))
+            if is_lower_better(metric):  # a floor on a perplexity would pass a worse model
+                out.append(GateResult(f"tasks.{task}.min", score, g.min, ">=", False,
+                                      f"{metric} is lower-is-better: gate it with max"))
+            else:
+                out.append(_check(f"tasks.{task}.min", score, ">=", g.min, metric))
+        if g.max is not None:
+            out.append(_check(f"tasks.{task}.max", score, "<=", g.max, metric))
     b = gates.speed_batch
     if gates.decode_speedup_min is not None:
         out.append(_check("decode_speedup_min", _speed(bench, artifact, b, "decode_speedup"), ">=",

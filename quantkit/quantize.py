@@ -3,6 +3,9 @@ step of `quantkit release` run."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -12,7 +15,7 @@ from . import calibration, pipeline
 from .checkpoint import BlockCheckpoints, run_key
 from .errors import QuantkitError
 from .eval.cache import model_fingerprint
-from .export.artifact import write_artifact
+from .export.artifact import MANIFEST_NAME, write_artifact
 from .model import load_model, pick_device, torch_dtype
 from .progress import Reporter
 from .recipe import Recipe, parse_size
@@ -24,14 +27,39 @@ def recipe_fingerprint(recipe: Recipe) -> dict:
     return recipe.model_dump(mode="json", exclude={"export", "release", "gates"})
 
 
+def _alive(pid: str) -> bool:
+    """Whether the process that owns a temp folder (its name ends in -PID) still runs."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _written_by(dest: Path, recipe: Recipe) -> bool:
+    """dest holds an artifact of this very recipe: rewriting it gives the same files."""
+    try:
+        return json.loads((dest / MANIFEST_NAME).read_text()).get("recipe") == recipe.model_dump(mode="json")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool = True) -> dict:
     """Writes every format of the recipe's export; returns the summary `quantkit quantize --json` prints."""
     start = time.perf_counter()
     out_root = Path(recipe.export.output)
     dests = {fmt: out_root / fmt for fmt in recipe.export.formats}
-    for dest in dests.values():
-        if dest.exists() and not overwrite:
-            raise QuantkitError(f"export.output: {dest} already exists (pass --overwrite to replace it)")
+    existing = [d for d in dests.values() if d.exists()]
+    # a run of this very recipe killed between two formats left some folders: the same command finishes it
+    unfinished = len(existing) < len(dests) and all(_written_by(d, recipe) for d in existing)
+    if existing and not overwrite and not unfinished:
+        raise QuantkitError(f"export.output: {existing[0]} already exists (pass --overwrite to replace it)")
+    for fmt in dests:  # what a killed export left behind (write_artifact's temp and set-aside folders)
+        for stale in [*out_root.glob(f".{fmt}.partial-*"), *out_root.glob(f".{fmt}.replaced-*")]:
+            if not _alive(stale.name.rpartition("-")[2]):
+                shutil.rmtree(stale, ignore_errors=True)
     device = pick_device(recipe.device)
     torch.manual_seed(0)
     with report.timed("load"):
@@ -69,7 +97,7 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
     for fmt, dest in dests.items():
         with report.timed(f"export:{fmt}"):
             write_artifact(dest, fmt, loaded.model, loaded.tokenizer, result.qweights, result.info, dtype,
-                           parse_size(recipe.export.max_shard_size), manifest, overwrite)
+                           parse_size(recipe.export.max_shard_size), manifest, overwrite or unfinished)
         report.info(f"wrote {dest} in {report.timings[f'export:{fmt}']:.1f} s")
     if checkpoints is not None:
         checkpoints.clear()  # every artifact is complete: nothing left to resume

@@ -160,6 +160,7 @@ def _error(message: str, **values: Any) -> PydanticCustomError:
 class TaskGate(_Strict):
     min_ratio: float | None = Field(None, gt=0)  # model score / base score of the task's main metric
     min: float | None = None  # absolute floor on the model's score
+    max: float | None = None  # absolute ceiling, for lower-is-better metrics (perplexities)
 
 
 class Gates(_Strict):
@@ -230,7 +231,8 @@ class Recipe(_Strict):
             if task not in r.eval.tasks:
                 raise _error("gates.tasks.{task}: the task is not evaluated (add it to release.eval.tasks)",
                              task=_path_part(task))
-        speed = [k for k in ("decode_speedup_min", "prefill_speedup_min") if getattr(g, k) is not None]
+        speed = [k for k in ("decode_speedup_min", "prefill_speedup_min", "weight_bytes_ratio_max")
+                 if getattr(g, k) is not None]
         if speed and not r.bench.enabled:
             raise _error("gates.{key}: needs the bench (release.bench.enabled is false)", key=speed[0])
         if speed and g.speed_batch not in r.bench.batches:

@@ -14,10 +14,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import gates as gate_checks
+from .bench.runner import device_name
 from .checkpoint import run_key
+from .data import resolve
 from .errors import QuantkitError
 from .eval.cache import model_fingerprint
 from .export.artifact import MANIFEST_NAME, sha256_file
+from .files import write_json_atomic
+from .model import pick_device
 from .progress import Reporter
 from .quantize import recipe_fingerprint, run_quantize
 from .recipe import Recipe
@@ -33,10 +37,10 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _write(path: Path, body: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body, indent=2) + "\n")
-    tmp.replace(path)
+def data_fingerprint(dataset: str, purpose: str, field: str) -> dict:
+    """Identity of a text source: its resolved file, size and content hash (an edited file invalidates)."""
+    path = resolve(dataset, purpose, field)
+    return {"path": str(path.resolve()), "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def artifact_files(folder: Path) -> dict[str, str] | None:
@@ -76,30 +80,36 @@ class Release:
         result = run()
         self.timings[name] = round(time.perf_counter() - start, 3)
         self.state.mkdir(parents=True, exist_ok=True)
-        _write(path, {"key": key, "result": result})
+        write_json_atomic(path, {"key": key, "result": result})
         self.steps[name] = "ran"
         return result
 
     def quantize(self) -> dict:
+        cal = self.recipe.calibration
+        data = data_fingerprint(cal.dataset, "calibration", "calibration.dataset") if cal else None
         key = run_key({"recipe": recipe_fingerprint(self.recipe), "export": self.recipe.export.model_dump(mode="json"),
-                       "model": model_fingerprint(self.recipe.model), "versions": self.versions})
+                       "model": model_fingerprint(self.recipe.model), "calibration": data,
+                       "versions": self.versions})
         folders = [self.root / f for f in self.recipe.export.formats]
 
         def complete(result: dict) -> bool:
             return all(artifact_files(f) == result["files"].get(f.name) for f in folders)
 
         def run() -> dict:
-            summary = run_quantize(self.recipe, overwrite=True, report=self.report)
+            # an earlier release of this output may be replaced; another tool's or recipe's folder only on request
+            overwrite = self.overwrite or (self.state / "quantize.json").is_file()
+            summary = run_quantize(self.recipe, overwrite=overwrite, report=self.report)
             return summary | {"files": {f.name: artifact_files(f) for f in folders}}
 
         return self._step("quantize", key, complete, run)
 
-    def _artifact_key(self, settings: dict) -> str:
+    def _artifact_key(self, settings: dict, device: str, data: dict | None = None) -> str:
+        """Hashes the artifact's files, the step's settings, the machine it runs on and the data it reads."""
         files = artifact_files(self.artifact)
         if files is None:
             raise QuantkitError(f"{self.artifact}: artifact files changed or missing after quantize")
         return run_key({"artifact": files, "settings": settings, "base": model_fingerprint(self.recipe.model),
-                        "versions": self.versions})
+                        "device": device_name(pick_device(device)), "data": data, "versions": self.versions})
 
     def evaluate(self) -> dict:
         from .eval.runner import EvalOptions, evaluate
@@ -107,7 +117,7 @@ class Release:
         e = self.recipe.release.eval
         o = EvalOptions(base=self.recipe.model, dataset=e.dataset, seq_len=e.seq_len, max_tokens=e.max_tokens,
                         device=e.device, tasks=list(e.tasks), limit=e.limit, generation=e.generation)
-        key = self._artifact_key(asdict(o))
+        key = self._artifact_key(asdict(o), e.device, data_fingerprint(e.dataset, "eval", "release.eval.dataset"))
         return self._step("eval", key, lambda r: True, lambda: evaluate(str(self.artifact), o, self.report))
 
     def bench(self) -> dict | None:
@@ -119,7 +129,7 @@ class Release:
             return None
         o = BenchOptions(baseline=self.recipe.model, batches=tuple(b.batches), prompt_len=b.prompt_len,
                          gen_len=b.gen_len, device=b.device, reps=b.reps)
-        key = self._artifact_key(asdict(o))
+        key = self._artifact_key(asdict(o), b.device)
 
         def run() -> dict:
             body = run_bench([str(self.artifact)], o, self.report)
@@ -150,5 +160,5 @@ class Release:
 
         body["cards"] = [str(p) for p in write_cards(self.recipe, self.root, body, results)]
         self.state.mkdir(parents=True, exist_ok=True)
-        _write(self.state / "report.json", body)
+        write_json_atomic(self.state / "report.json", body)
         return body

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import QuantkitError
+from .errors import QuantkitError, first_line
 from .export.artifact import INDEX_NAME, MANIFEST_NAME, sha256_file
 from .export.base import split_by_module
 
@@ -60,13 +60,6 @@ class Verification:
                 "warnings": self.warnings}
 
 
-def _first_line(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        return err.strerror  # not the path again: every detail already starts with the file's name
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _more(problems: list[str]) -> str:
     return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
 
@@ -98,7 +91,7 @@ def _manifest_files(folder: Path, v: Verification) -> dict[str, str] | None:
         if not isinstance(files, dict) or not all(isinstance(h, str) for h in files.values()):
             raise ValueError("'files' is not a {name: sha256} mapping")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        v.add("manifest", False, f"{MANIFEST_NAME}: unreadable ({_first_line(err)})")
+        v.add("manifest", False, f"{MANIFEST_NAME}: unreadable ({first_line(err)})")
         return None
     v.files = len(files)
     v.add("manifest", True, f"{MANIFEST_NAME}: {len(files)} files listed (format {body.get('format')})")
@@ -135,7 +128,7 @@ def _read_safetensors(folder: Path, v: Verification) -> dict[str, torch.Tensor] 
             with safe_open(str(f), "pt") as fh:
                 part = {k: fh.get_tensor(k) for k in fh.keys()}  # safe_open handles have no __iter__
         except (SafetensorError, OSError) as err:  # truncated or corrupt: safetensors names the broken part
-            ok = v.add("safetensors", False, f"{f.name}: unreadable ({_first_line(err)})")
+            ok = v.add("safetensors", False, f"{f.name}: unreadable ({first_line(err)})")
             continue
         dup = sorted(set(part) & set(tensors))
         if dup:
@@ -156,7 +149,7 @@ def _check_index(path: Path, where: dict[str, str], v: Verification) -> bool:
         weight_map = json.loads(path.read_text())["weight_map"]
         wrong = sorted(k for k in set(weight_map) | set(where) if weight_map.get(k) != where.get(k))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return v.add("index", False, f"{path.name}: unreadable ({_first_line(err)})")
+        return v.add("index", False, f"{path.name}: unreadable ({first_line(err)})")
     if wrong:
         return v.add("index", False, _more([f"{path.name}: {k} is in {where.get(k, 'no file')}, the index says "
                                             f"{weight_map.get(k, 'nothing')}" for k in wrong]))
@@ -183,7 +176,7 @@ def _meta_model(folder: Path, v: Verification):
             model = AutoModelForCausalLM.from_config(config)
     # any error transformers raises for a bad config (ValueError, KeyError, TypeError, ...) is a finding here
     except Exception as err:
-        v.add("config", False, f"config.json: {_first_line(err)}")
+        v.add("config", False, f"config.json: {first_line(err)}")
         return None
     v.add("config", True, f"config.json: {type(model).__name__}, {fmt}, {str(dtype).removeprefix('torch.')}")
     return model, qcfg, fmt, dtype
@@ -213,7 +206,7 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model, qcfg: dict, fmt: str
         try:
             got = list(decode(parts, qcfg).shape)
         except Exception as err:  # a decoder indexing missing or mis-shaped parts: report which module
-            shapes.append(f"{prefix}: cannot decode ({type(err).__name__}: {_first_line(err)})")
+            shapes.append(f"{prefix}: cannot decode ({type(err).__name__}: {first_line(err)})")
             continue
         if got != list(want.shape):
             shapes.append(f"{prefix}: decoded weight is {got}, config.json gives {list(want.shape)}")
@@ -244,7 +237,7 @@ def _check_forward(folder: Path, tokens: int, v: Verification) -> None:
         with torch.no_grad():
             logits = model(input_ids=ids).logits
     except Exception as err:  # verify reports a failing load or forward as a finding, not a traceback
-        v.add("forward", False, f"forward: {type(err).__name__}: {_first_line(err)}")
+        v.add("forward", False, f"forward: {type(err).__name__}: {first_line(err)}")
         return
     bad = int((~torch.isfinite(logits)).sum())
     v.add("forward", bad == 0, f"forward: {tokens} tokens, logits finite" if bad == 0 else

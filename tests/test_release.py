@@ -4,6 +4,8 @@ steps skipped on a re-run, the model card, and `quantkit gate` on the report."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from conftest import run_cli
 from quantkit.export.artifact import sha256_file
 from quantkit.gates import evaluate, table
 from quantkit.recipe import Gates
+from quantkit.release import data_fingerprint
 
 RELEASE = ("release: {eval: {seq_len: 128, max_tokens: 1024, generation: false}, "
            "bench: {batches: [1], prompt_len: 16, gen_len: 4, reps: 1}}")
@@ -86,9 +89,21 @@ def test_gate_command_on_the_report(released, tmp_path, monkeypatch, capsys):
     assert lines[-1].startswith("gates: FAILED")
     assert run_cli(monkeypatch, "gate", tmp_path / "nope.json") == 2
     assert "not a readable release report" in capsys.readouterr().err
+    broken = json.loads(report.read_text())
+    del broken["gates"]["declared"]["kld_mean_max"]
+    broken["gates"]["declared"]["same_top_min"] = "high"
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    assert run_cli(monkeypatch, "gate", tmp_path / "broken.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "broken.json: gates.declared: same_top_min" in err
+    broken["eval"] = {"ppl": 5}
+    broken["gates"]["declared"] = {"ppl_increase_pct": 3}
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    assert run_cli(monkeypatch, "gate", tmp_path / "broken.json") == 2
+    assert "malformed release report" in capsys.readouterr().err
 
 
-def test_release_and_quantize_write_the_same_bytes(released, tiny_llama, tmp_path, monkeypatch):
+def test_release_and_quantize_write_the_same_bytes(released, tiny_llama, tmp_path, monkeypatch, capsys):
     root, recipe, _ = released
     plain = tmp_path / "plain.yaml"
     plain.write_text(recipe.read_text().replace(f"output: {root / 'out'}", f"output: {tmp_path / 'q'}"))
@@ -96,6 +111,23 @@ def test_release_and_quantize_write_the_same_bytes(released, tiny_llama, tmp_pat
     for fmt in ("gptq", "compressed-tensors"):
         assert (tmp_path / "q" / fmt / "model.safetensors").read_bytes() == \
             (root / "out" / fmt / "model.safetensors").read_bytes(), fmt
+    # a run killed between two formats: the same command finishes it without --overwrite
+    shutil.rmtree(tmp_path / "q" / "gptq")
+    dead, live = tmp_path / "q" / ".gptq.partial-999999999", tmp_path / "q" / f".gptq.partial-{os.getppid()}"
+    dead.mkdir(), live.mkdir()
+    assert run_cli(monkeypatch, "quantize", plain, "--quiet") == 0
+    assert not dead.exists() and live.exists()  # a killed run's temp folder goes, a running one's stays
+    assert (tmp_path / "q" / "gptq" / "model.safetensors").read_bytes() == \
+        (root / "out" / "gptq" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert run_cli(monkeypatch, "quantize", plain, "--quiet") == 2  # complete: replacing it needs --overwrite
+    assert "already exists (pass --overwrite" in capsys.readouterr().err
+    # release will not replace folders another recipe wrote unless asked
+    other = write(tmp_path / "other.yaml", tiny_llama, tmp_path / "q", LOOSE)
+    other.write_text(other.read_text().replace("sym: true", "sym: false"))
+    assert run_cli(monkeypatch, "release", other, "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "already exists (pass --overwrite" in err
 
 
 def test_changed_stage_reruns_quantize(released, tiny_llama, monkeypatch, capsys):
@@ -119,3 +151,37 @@ def test_gate_declared_for_a_task_not_evaluated_is_a_recipe_error(tiny_llama, tm
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "gates.tasks.arc_easy: the task is not evaluated" in err
 
+
+
+def test_task_gates_read_filtered_metrics_and_guard_perplexities():
+    ev = {"tasks": {"gsm8k": {"model": {"exact_match,strict-match": 0.30}, "base": {"exact_match,strict-match": 0.40}},
+                    "wikitext": {"model": {"word_perplexity": 30.0}, "base": {"word_perplexity": 20.0}}}}
+    gates = Gates(tasks={"gsm8k": {"min_ratio": 0.7, "min": 0.35}, "wikitext": {"min_ratio": 0.6, "min": 1, "max": 25}})
+    got = {r.name: r for r in evaluate(gates, ev, None)}
+    assert got["tasks.gsm8k.min_ratio"].passed and got["tasks.gsm8k.min_ratio"].measured == pytest.approx(0.75)
+    assert not got["tasks.gsm8k.min"].passed and got["tasks.gsm8k.min"].measured == 0.30
+    assert got["tasks.wikitext.min_ratio"].measured == pytest.approx(20 / 30)  # base / model for perplexities
+    assert not got["tasks.wikitext.min"].passed and "lower-is-better" in got["tasks.wikitext.min"].detail
+    assert not got["tasks.wikitext.max"].passed and got["tasks.wikitext.max"].op == "<="
+
+
+def test_card_lists_a_task_without_a_main_metric():
+    from quantkit.card import _quality
+
+    lines = _quality({"ppl": {"model": 2.0, "base": 1.0}, "dataset": "wikitext2", "tasks": {"odd": {"model": {"f1": 1}}}})
+    assert "| odd ? | - | - |" in lines
+
+
+def test_edited_data_file_changes_its_fingerprint(tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("one two three\n")
+    first = data_fingerprint(str(text), "calibration", "calibration.dataset")
+    text.write_text("one two four\n")
+    assert data_fingerprint(str(text), "calibration", "calibration.dataset")["sha256"] != first["sha256"]
+
+
+def test_weight_gate_needs_the_bench(tiny_llama, tmp_path, monkeypatch, capsys):
+    recipe = write(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", "{weight_bytes_ratio_max: 0.5}")
+    recipe.write_text(recipe.read_text().replace("bench: {", "bench: {enabled: false, "))
+    assert run_cli(monkeypatch, "release", recipe) == 2
+    assert "gates.weight_bytes_ratio_max: needs the bench" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QuantkitError
+from ..files import write_json_atomic
 from ..model import pick_device
 from ..progress import Reporter
 from . import peaks
@@ -113,6 +114,8 @@ def run_bench(artifacts: list[str], o: BenchOptions, rep: Reporter) -> dict:
     copy_bw = peaks.copy_bandwidth(device)
     flops = peaks.matmul_flops(device, getattr(torch, dtype))
     rep.info(f"peak copy {copy_bw / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the peak probes' buffers (GiBs): give them back before the workers start
     common = dict(device=device.type, batches=list(o.batches), prompt_len=o.prompt_len, gen_len=o.gen_len,
                   reps=o.reps, compile=o.compile, int4_backend=o.int4_backend, quiet=rep.quiet)
     models = [run_worker(WorkerSpec(name="model", path=a, dtype=dtype, **common)) for a in artifacts]
@@ -174,7 +177,5 @@ def record_in_manifest(artifact: str, body: dict) -> Path | None:
         return None
     data = json.loads(manifest.read_text())
     data["bench"] = body
-    tmp = manifest.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(manifest)
+    write_json_atomic(manifest, data)
     return manifest

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import QuantkitError
+from ..errors import QuantkitError, first_line
 from ..progress import Reporter
 from .decode import EagerDecoder, StaticDecoder, decode_step_flops, generate_timed, kv_cache_bytes, tensor_bytes
 from .monitor import Sampler, gpu_utilization_probe, rss_bytes
@@ -41,7 +41,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def kernels_used(model: nn.Module, device: torch.device) -> dict[str, int]:
-    """Which matmul each Linear-like layer ran in its last forward, counted."""
+    """The matmul each Linear-like layer runs, counted: W8A8 layers report what their last forward ran,
+    W4Linear and plain Linear layers what they are built to run."""
     from ..kernels.w4a16 import W4Linear, kernel_name
 
     names = []
@@ -132,6 +133,9 @@ def main() -> None:
     except QuantkitError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Exception as err:  # OOM, a transformers API change...: one line, the parent names the model
+        print(f"error: {type(err).__name__}: {first_line(err)}", file=sys.stderr)
+        sys.exit(1)
     with open(out_path, "w") as f:
         json.dump(body, f)
 

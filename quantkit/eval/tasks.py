@@ -16,7 +16,7 @@ import logging
 import re
 
 from ..data import BUNDLED
-from ..errors import QuantkitError
+from ..errors import QuantkitError, first_line
 
 LOCAL_TASKS = ("wikitext", "lambada_openai", "arc_easy")
 
@@ -126,8 +126,7 @@ def run_tasks(model, tokenizer, names: list[str], limit: int | None, num_fewshot
                                           bootstrap_iters=1000, log_samples=False, verbosity="ERROR",
                                           task_manager=_task_manager(all(n in LOCAL_TASKS for n in names)))
     except Exception as err:  # lm-eval raises bare exceptions for unknown tasks and missing hub access
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise QuantkitError(f"--tasks: lm-eval could not run {names}: {first}") from None
+        raise QuantkitError(f"--tasks: lm-eval could not run {names}: {first_line(err)}") from None
     scores = {}
     for task, metrics in out["results"].items():
         scores[task] = {k.replace(",none", ""): v for k, v in metrics.items()

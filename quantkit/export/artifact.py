@@ -134,9 +134,11 @@ def write_artifact(
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         body = dict(manifest, format=fmt, files=files)
         (tmp / MANIFEST_NAME).write_text(json.dumps(body, indent=2) + "\n")
-        if dest.exists():
-            shutil.rmtree(dest)
+        old = dest.parent / f".{dest.name}.replaced-{os.getpid()}"
+        if dest.exists():  # moved aside, not deleted, until the new folder is in place: never no artifact at all
+            dest.rename(old)
         tmp.rename(dest)
+        shutil.rmtree(old, ignore_errors=True)
     except OSError as err:  # disk full, permissions: nothing half-written stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise QuantkitError(f"export.output: cannot write {dest}: {err.strerror or err}") from None
