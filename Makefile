@@ -55,5 +55,5 @@ gpu-suite:  ## the prepared H200 suite, smoke-tested on this CPU (SMOKE=1); on a
 
 demo: quantize eval  ## set up, quantize the bundled model, compare both artifacts with the original
 
-clean:  ## remove build outputs, artifacts, checkpoints of killed runs and the eval cache under out/
+clean:  ## remove build outputs, artifacts under out/ and checkpoints of killed runs (the eval cache: ~/.cache/quantkit or $$QUANTKIT_CACHE)
 	rm -rf out build *.egg-info .pytest_cache $(STAMP)

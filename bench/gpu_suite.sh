@@ -53,13 +53,15 @@ for r in w4a16 w8a8 fp8; do
 done
 cat "$WORK"/q-*.json | grep -E '"total"|compressed-tensors"|gptq"' || true
 
+failed=""  # a failed bench still lets the next one run, then fails the suite
 stamp "bench: every scheme against bf16, eager and CUDA graph"
 $QK bench "$WORK/w4a16/gptq" "$WORK/w8a8/compressed-tensors" "$WORK/fp8/compressed-tensors" --baseline "$WORK/base" \
   $SIZES --device $DEV $COMPILE \
-  --json "$OUT/gpu_bench.json" --markdown "$OUT/gpu_bench.md"
+  --json "$OUT/gpu_bench.json" --markdown "$OUT/gpu_bench.md" || failed="$failed bench"
 stamp "bench: the other W4A16 formats load onto the same kernel (batch 1)"
 others=("$WORK/w4a16/compressed-tensors")
 [ -d "$WORK/w4a16/awq" ] && others+=("$WORK/w4a16/awq")
 $QK bench "${others[@]}" $SIZES --device $DEV --quiet \
-  --markdown "$OUT/formats_bench.md"
+  --markdown "$OUT/formats_bench.md" || failed="$failed formats-bench"
+[ -z "$failed" ] || { stamp "FAILED:$failed"; exit 1; }
 stamp "done"

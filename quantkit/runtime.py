@@ -96,7 +96,8 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     w8a8 = fmt == "compressed-tensors" and compressed_tensors.format_of(qcfg) in W8A8_FORMATS
     if w8a8:  # the quantized weights go into W8A8 layers below, not into the float Linears
         kept = qweights
-    elif int4_device is not None:
+    elif int4_device is not None and any(isinstance(q, QuantizedWeight) and q.spec.bits == 4
+                                         for q in qweights.values()):
         backend = pick_backend(int4_backend, int4_device)
         kept = {name: qw for name, qw in qweights.items() if supports(qw, int4_device, backend) is None}
     else:

@@ -13,7 +13,8 @@ from conftest import write_recipe
 from quantkit import runtime
 from quantkit.algorithms.grid import GridSpec, QuantizedWeight
 from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.bench.decode import EagerDecoder, StaticDecoder, generate_timed, kv_cache_bytes, tensor_bytes
+from quantkit.bench.decode import (EagerDecoder, StaticDecoder, decode_step_flops, generate_timed, kv_cache_bytes,
+                                   tensor_bytes)
 from quantkit.bench.runner import diagnose, ratios
 from quantkit.cli import cli
 from quantkit.errors import QuantkitError
@@ -87,12 +88,16 @@ def test_backend_choice():
     assert pick_backend("auto", torch.device("cuda")) == "torch"
     with pytest.raises(QuantkitError, match="backend 'x' is not one of auto, torch, quantkit"):
         pick_backend("x", CPU)
+    with pytest.raises(QuantkitError, match="CPU-only"):
+        pick_backend("quantkit", torch.device("cuda"))
 
 
 def test_w4linear_refuses_what_the_kernel_cannot_take():
     assert "8-bit" in supports(rtn_quantize(torch.randn(32, 64), GridSpec(8, -1, True)), CPU)
     assert "out_features % 16" in supports(rtn_quantize(torch.randn(40, 64), GridSpec(4, 32, True)), CPU)
     assert supports(rtn_quantize(torch.randn(32, 96), GridSpec(4, 96 // 2, True)), CPU).startswith("group size 48")
+    # per channel on PyTorch's CPU kernel: the scale is repeated over groups of 32..256, so 48 columns cannot
+    assert "per-channel" in supports(rtn_quantize(torch.randn(32, 48), GridSpec(4, -1, True)), CPU)
     with pytest.raises(QuantkitError, match="int4 kernel: shape"):
         W4Linear(rtn_quantize(torch.randn(40, 64), GridSpec(4, 32, True)), None, CPU)
 
@@ -134,6 +139,9 @@ def test_w8a8_artifact_benches_on_its_int8_layers(artifacts):
     model = runtime.load(str(artifacts["w8a8/compressed-tensors"]), int4_device=CPU).model
     assert not any(isinstance(m, W4Linear) for m in model.modules())
     assert sum(type(m).__name__ == "Int8Linear" for m in model.modules()) == 14
+    flops = decode_step_flops(model, 1, 0)  # W8A8 layers count as Linears: every block weight plus lm_head
+    linears = sum(m.weight.numel() for m in model.modules() if type(m).__name__ in ("Int8Linear", "Linear"))
+    assert flops == 2 * linears
 
 
 # ------------------------------------------------------------------------------------------- accounting
@@ -243,3 +251,6 @@ def test_bench_command_errors(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == f"error: ARTIFACT: not found: {tmp_path / 'nope'}"
     assert run(str(tmp_path), "--batch", "1,x") == 2
     assert "expected positive integers separated by commas, got '1,x'" in capsys.readouterr().err
+    assert run(str(tmp_path), "--baseline", str(tmp_path / "base")) == 2  # before any model is benched
+    assert capsys.readouterr().err.strip() == f"error: --baseline: not found: {tmp_path / 'base'} " \
+        "(expected an HF folder, a .gguf file or a hub id org/name)"

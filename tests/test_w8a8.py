@@ -20,6 +20,7 @@ from quantkit.kernels.w8a8 import (
     Int8Linear,
     int8_mm,
     int8_mm_exact,
+    int_mm_padded,
     quantize_tokens_fp8,
     quantize_tokens_int8,
     swap_w8a8_linears,
@@ -126,6 +127,16 @@ def test_int8_gemm_paths_are_exact(shape):
     assert acc.dtype == torch.int32 and torch.equal(acc, int8_mm_exact(a, b.t()))
     assert torch.equal(acc, torch._int_mm(a, b.t()))
     assert torch.equal(acc.long(), a.long() @ b.long().t())
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 17])
+def test_int_mm_padded_covers_decode_batches(m):
+    """CUDA's _int_mm refuses M <= 16 (decode); int_mm_padded pads with zero rows: still the exact product."""
+    a = torch.randint(-128, 128, (m, 64), dtype=torch.int8, generator=gen(m))
+    b = torch.randint(-128, 128, (64, 24), dtype=torch.int8, generator=gen(m + 1))
+    acc = int_mm_padded(a, b)
+    assert acc.shape == (m, 24) and acc.dtype == torch.int32
+    assert torch.equal(acc.long(), a.long() @ b.long())
 
 
 def test_int8_linear_equals_float_reference():

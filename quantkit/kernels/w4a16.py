@@ -40,6 +40,8 @@ def pick_backend(name: str, device: torch.device) -> str:
 
     if name not in BACKENDS:
         raise QuantkitError(f"int4 kernel: backend '{name}' is not one of {', '.join(BACKENDS)}")
+    if device.type == "cuda" and name == "quantkit":
+        raise QuantkitError("int4 kernel: quantkit's kernel is CPU-only (AVX2); on CUDA use torch or auto")
     if device.type == "cuda" or name == "torch":
         return "torch"
     ok, why = int4_cpu.available()
@@ -72,6 +74,8 @@ def supports(qw: QuantizedWeight, device: torch.device, backend: str = "torch") 
             return "per-channel scales on CUDA (tinygemm needs groups of 32..256)"
     elif out % 16 or cols % 2:
         return f"shape [{out}, {cols}] (the CPU kernel needs out_features % 16 == 0 and even in_features)"
+    elif qw.spec.group_size == -1 and cols % 32:
+        return f"per-channel scales with in_features {cols} (the CPU kernel repeats them over groups of 32..256)"
     return None
 
 

@@ -68,19 +68,28 @@ def int8_mm_fp32_chunked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _int_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # cuBLASLt's int8 GEMM (torch's _int_mm_out_cuda checks): M > 16, K and N multiples of 8
-    return a.device.type == "cuda" and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0
+INT_MM_MIN_ROWS = 17  # torch's CUDA _int_mm (cuBLASLt) checks: M > 16, K and N multiples of 8
+
+
+def int_mm_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm for any M: decode batches (M <= 16) are padded with zero rows to 32 and sliced back,
+    so they run the int8 GEMM too (the zero rows add nothing to the other rows' sums)."""
+    m = a.shape[0]
+    if m >= INT_MM_MIN_ROWS:
+        return torch._int_mm(a, b)
+    padded = torch.zeros(32, a.shape[1], dtype=a.dtype, device=a.device)
+    padded[:m] = a
+    return torch._int_mm(padded, b)[:m]
 
 
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
     """a int8 [M, K] @ b int8 [K, N] -> exact int32 [M, N], and which path ran:
     '_int_mm' (cuBLASLt int8 GEMM), 'fp32-chunked' (CPU) or 'float64' (CUDA shapes cuBLASLt refuses; float64
     because CUDA float32 GEMMs may run in TF32)."""
-    if _int_mm_takes(a, b):
-        return torch._int_mm(a, b), "_int_mm"
     if a.device.type == "cpu":
         return int8_mm_fp32_chunked(a, b), "fp32-chunked"
+    if a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0:
+        return int_mm_padded(a, b), "_int_mm"
     return int8_mm_exact(a, b), "float64"
 
 
@@ -100,6 +109,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight.to(torch.int8).contiguous())  # [out, in]
+        self.out_features, self.in_features = self.weight.shape  # as nn.Linear: FLOP counts read these
         self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())  # [1, out]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.path: str | None = None
@@ -128,6 +138,7 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight.to(FP8_DTYPE).contiguous())  # [out, in]
+        self.out_features, self.in_features = self.weight.shape  # as nn.Linear: FLOP counts read these
         self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())  # [1, out]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.path: str | None = None
