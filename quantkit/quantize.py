@@ -33,8 +33,8 @@ def _alive(pid: str) -> bool:
         os.kill(int(pid), 0)
     except (ValueError, ProcessLookupError):
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's live process
+        pass
     return True
 
 

@@ -8,6 +8,7 @@ the weight stage (gptq, or AWQ's own round-to-nearest) quantizes what it leaves.
 Each pass plans all blocks up front (so a recipe that cannot apply fails before any work), then offers
 `observe(i, block)` (hook handles for that forward), `apply(i, block)` (fold what was observed, return
 warnings) and `summary()` (one progress line), plus `notes` about the structure, reported once.
+SmoothQuantPass also offers `inline(i, block)`: the same fold done inside the weight stage's forward.
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ class SmoothQuantPass:
         for k, m in enumerate(self.mappings[i]):
             x = self.absmax.pop((i, k), None)
             if x is None:
-                warnings.append(f"{self.block_names[i]}.{m.prev_name} was not reached by calibration data; "
-                                "left unsmoothed")
+                warnings.append(self._unreached(i, m))
                 continue
             self._fold(i, m, x)
         return warnings
+
+    def _unreached(self, i: int, m: Mapping) -> str:
+        return f"{self.block_names[i]}.{m.prev_name} was not reached by calibration data; left unsmoothed"
 
     def _fold(self, i: int, m: Mapping, x_absmax: torch.Tensor) -> torch.Tensor:
         s = smoothing_scale(x_absmax, [lin.weight for lin in m.linears], self.args.alpha)
@@ -121,8 +124,7 @@ class SmoothQuantPass:
                    for k, m in enumerate(self.mappings[i]) for lin in m.linears]
 
         def warnings() -> list[str]:
-            missed = [f"{self.block_names[i]}.{m.prev_name} was not reached by calibration data; left unsmoothed"
-                      for k, m in enumerate(self.mappings[i]) if k not in seen]
+            missed = [self._unreached(i, m) for k, m in enumerate(self.mappings[i]) if k not in seen]
             seen.clear()
             return missed
 
