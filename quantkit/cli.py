@@ -36,7 +36,7 @@ def cli() -> None:
 def quantize(recipe_path: str, overwrite: bool, no_resume: bool, quiet: bool, json_out: str | None) -> None:
     """Quantize the model a YAML recipe names and write its artifacts. A run killed mid-way resumes from its
     last finished block when started again with the same recipe."""
-    from .quantize import run_quantize
+    from .quantize.run import run_quantize
     from .recipe import load_recipe
 
     write_json(json_out, run_quantize(load_recipe(recipe_path), overwrite, Reporter(quiet), resume=not no_resume))

@@ -46,6 +46,21 @@ def resolve_model_path(spec: str, field: str = "model") -> tuple[str, str | None
     return spec, None  # a hub id
 
 
+def model_fingerprint(spec: str) -> dict:
+    """Identity of a model without hashing gigabytes: every weight/config file's name, size and mtime
+    (any change to a file invalidates the entry). A hub id is taken as is."""
+    folder, gguf = resolve_model_path(spec)
+    path = Path(folder) / gguf if gguf else Path(folder)
+    if gguf:
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in {".safetensors", ".bin", ".json"})
+    else:
+        return {"id": spec}
+    return {"path": str(path.resolve()),
+            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
 def torch_dtype(name: str, default: torch.dtype = torch.float32) -> torch.dtype:
     return default if name == "auto" else DTYPES[name]
 

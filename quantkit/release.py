@@ -15,15 +15,14 @@ from pathlib import Path
 
 from . import gates as gate_checks
 from .bench.runner import device_name
-from .checkpoint import run_key
 from .data import resolve
 from .errors import QuantkitError
-from .eval.cache import model_fingerprint
 from .export.artifact import MANIFEST_NAME, sha256_file
 from .files import write_json_atomic
-from .model import pick_device
+from .model import model_fingerprint, pick_device
 from .progress import Reporter
-from .quantize import recipe_fingerprint, run_quantize
+from .quantize.checkpoint import run_key
+from .quantize.run import recipe_fingerprint, run_quantize
 from .recipe import Recipe
 from .versions import package_versions
 

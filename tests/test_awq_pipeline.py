@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import run_cli, write_recipe
-from quantkit import calibration, pipeline, runtime
+from quantkit import runtime
+from quantkit.quantize import calibration, pipeline
 from quantkit.errors import QuantkitError
 from quantkit.model import load_model
 from quantkit.progress import Reporter

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_cli, write_recipe
-from quantkit.checkpoint import FOLDER as RESUME
+from quantkit.quantize.checkpoint import FOLDER as RESUME
 from quantkit.export import artifact
 
 RTN = "rtn: {bits: 4, group_size: 32}"  # no calibration: the quickest run to reach the check under test
@@ -117,14 +117,14 @@ def test_disk_full_and_existing_output_leave_the_old_artifact_intact(tiny_llama,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(artifact, "write_safetensors", disk_full)
+        m.setattr(artifact, "save_file", disk_full)
         message = f"error: export.output: cannot write {out / 'gptq'}: No space left on device"
         assert fails(m, capsys, recipe) == message
         assert_nothing_written(out)
     assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
     before = {p.name: p.read_bytes() for p in (out / "gptq").iterdir()}
     with monkeypatch.context() as m:
-        m.setattr(artifact, "write_safetensors", disk_full)
+        m.setattr(artifact, "save_file", disk_full)
         assert fails(m, capsys, recipe, "--overwrite") == message
     assert fails(monkeypatch, capsys, recipe) == (
         f"error: export.output: {out / 'gptq'} already exists (pass --overwrite to replace it)")

@@ -81,11 +81,11 @@ def test_gptq_zero_point_convention():
     w[:, :32] = w[:, :32].abs() + 0.1  # an all-positive group: asymmetric zero point 0
     qw = rtn_quantize(w, spec)
     assert int(qw.zero.min()) == 0
-    assert gptq.checkpoint_format({"a": qw}) == "gptq_v2"  # v1 stores zero-1 and cannot hold 0
+    assert gptq.checkpoint_format(QuantInfo("rtn", spec)) == "gptq_v2"  # v1 stores zero-1 and cannot hold 0
     stored = packing.unpack(gptq.encode_module(qw, "gptq_v2")["qzeros"], 4, 32, dim=1).T
     assert torch.equal(stored, qw.zero.long())
     sym = rtn_quantize(w, GridSpec(4, 32, sym=True))
-    assert gptq.checkpoint_format({"a": sym}) == "gptq"
+    assert gptq.checkpoint_format(QuantInfo("rtn", sym.spec)) == "gptq"
     stored = packing.unpack(gptq.encode_module(sym, "gptq")["qzeros"], 4, 32, dim=1)
     assert torch.all(stored == 7)  # symmetric 4-bit zero 8, stored as 7 in v1
 

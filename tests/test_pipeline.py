@@ -7,8 +7,9 @@ import torch
 from safetensors import safe_open
 
 from conftest import run_cli, write_recipe
-from quantkit import pipeline, runtime
-from quantkit.calibration import build
+from quantkit import runtime
+from quantkit.quantize import pipeline
+from quantkit.quantize.calibration import build
 from quantkit.errors import QuantkitError
 from quantkit.model import load_model
 from quantkit.progress import Reporter

@@ -15,7 +15,7 @@ import pytest
 from conftest import write_recipe
 from tiny_models import make_tiny_model
 
-from quantkit.checkpoint import FOLDER
+from quantkit.quantize.checkpoint import FOLDER
 
 STAGES = {
     "gptq": "gptq: {bits: 4, group_size: 32, sym: false, act_order: true}",
@@ -36,7 +36,7 @@ def quantize(recipe: Path, *extra: str, kill_after_block: int | None = None) -> 
     if kill_after_block is not None:
         prelude = textwrap.dedent(f"""
             import os, signal
-            from quantkit import checkpoint
+            from quantkit.quantize import checkpoint
             save = checkpoint.BlockCheckpoints.save
             def save_then_die(self, i, *args):
                 save(self, i, *args)

@@ -10,7 +10,8 @@ import yaml
 from torch import nn
 
 from conftest import run_cli, write_recipe
-from quantkit import calibration, pipeline, runtime, transforms
+from quantkit import runtime
+from quantkit.quantize import calibration, pipeline, transforms
 from quantkit.algorithms.grid import INT8_CHANNEL
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.algorithms.smoothquant import MIN_SCALE, channel_absmax, norm_mappings, smoothing_scale

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..model import resolve_model_path
 from .distribution import BaseTopK
 
 META = "meta.json"
@@ -29,21 +28,6 @@ def cache_root(override: str | None = None) -> Path:
         return Path(override).expanduser()
     env = os.environ.get("QUANTKIT_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
-
-
-def model_fingerprint(spec: str) -> dict:
-    """Identity of a model without hashing gigabytes: every weight/config file's name, size and mtime
-    (any change to a file invalidates the entry). A hub id is taken as is."""
-    folder, gguf = resolve_model_path(spec)
-    path = Path(folder) / gguf if gguf else Path(folder)
-    if gguf:
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in {".safetensors", ".bin", ".json"})
-    else:
-        return {"id": spec}
-    return {"path": str(path.resolve()),
-            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 
 def key(**parts) -> str:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..errors import QuantkitError
-from ..model import Loaded
+from ..model import Loaded, model_fingerprint
 from ..progress import Reporter
 from . import cache
 from .distribution import BaseTopK, ShiftAccumulator, token_stats
@@ -20,7 +20,7 @@ def base_logits_entry(base: str, ids: torch.Tensor, seq_len: int, top_k: int, dt
                       device: torch.device, root) -> tuple[cache.LogitCache, dict]:
     used = ids[: num_windows(ids, seq_len) * seq_len]
     parts = {
-        "base": cache.model_fingerprint(base), "tokens": cache.tokens_sha256(used), "seq_len": seq_len,
+        "base": model_fingerprint(base), "tokens": cache.tokens_sha256(used), "seq_len": seq_len,
         "top_k": top_k, "dtype": dtype, "device": device.type,
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import runtime
-from ..model import pick_device
+from ..model import model_fingerprint, pick_device
 from ..progress import Reporter
 from . import cache, generation, tasks
 from .compare import base_logits_entry, distribution_shift, fill_base_cache
@@ -76,14 +76,14 @@ class _Base:
 def _task_entries(o: EvalOptions, root: Path, device: torch.device) -> dict[str, cache.JsonCache]:
     from importlib.metadata import version
 
-    common = dict(base=cache.model_fingerprint(o.base), limit=o.limit, num_fewshot=o.num_fewshot,
+    common = dict(base=model_fingerprint(o.base), limit=o.limit, num_fewshot=o.num_fewshot,
                   batch_size=o.batch_size, max_length=o.seq_len, dtype=o.dtype, device=device.type,
                   lm_eval=version("lm-eval"), **_versions())
     return {t: cache.JsonCache(root, "base-tasks", cache.key(task=t, **common)) for t in o.tasks}
 
 
 def _gen_entry(o: EvalOptions, prompts: list[str], root: Path, device: torch.device) -> cache.JsonCache:
-    parts = dict(base=cache.model_fingerprint(o.base), prompts=hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
+    parts = dict(base=model_fingerprint(o.base), prompts=hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
                  gen_tokens=o.gen_tokens, batch_size=o.batch_size, dtype=o.dtype, device=device.type, **_versions())
     return cache.JsonCache(root, "base-generation", cache.key(**parts))
 

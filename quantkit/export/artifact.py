@@ -1,6 +1,12 @@
 """Write one artifact folder: sharded safetensors (+ index), config.json with the format's
 quantization_config, tokenizer, generation config and the quantkit.json manifest.
 
+Tensors arrive one by one in the model's state_dict order (`stored_keys`), a quantized Linear's packed
+tensors in place of its weight, so the in-memory path (the whole model at the end) and the streamed path
+(block by block as each is quantized) cut the same shards and write byte-identical files. A shard is held in
+memory until it is full (`export.max_shard_size`), then saved; the shard names and the index are written last,
+when the count is known.
+
 Everything is written to a hidden temp folder next to the destination and renamed into place only
 when complete, so an interrupted run leaves nothing that looks like a finished artifact.
 """
@@ -27,6 +33,8 @@ MANIFEST_NAME = "quantkit.json"
 
 
 def encode(fmt: str, qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, dtype: torch.dtype) -> Encoded:
+    """Packed tensors of `qweights` (any subset of the model's: each module is encoded on its own) and the
+    format's quantization_config, which depends on `info` only."""
     if fmt == "gptq":
         if info.activations is not None:
             raise QuantkitError(f"export.formats: gptq stores weight-only quantization, not {info.activations} W8A8")
@@ -40,50 +48,63 @@ def encode(fmt: str, qweights: dict[str, QuantizedWeight | Fp8Weight], info: Qua
     return compressed_tensors.encode(qweights, info, torch.float32 if dtype == torch.float32 else torch.float16)
 
 
-def float_state_dict(model: nn.Module, skip_modules: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The model's tensors minus the quantized weights, tied duplicates dropped (safetensors forbids
-    shared storage), floats cast to the export dtype."""
-    out: dict[str, torch.Tensor] = {}
+def stored_keys(model: nn.Module) -> list[str]:
+    """The model's state_dict keys as a checkpoint stores them: tied duplicates dropped (lm_head <- embed_tokens;
+    safetensors forbids shared storage). Works on a meta-device skeleton too: ties are the same Parameter."""
     seen: set[int] = set()
-    for name, t in model.state_dict().items():
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module in skip_modules:
-            continue
-        if t.data_ptr() in seen and t.numel() > 0:
-            continue  # tied to an earlier tensor (lm_head <- embed_tokens)
-        seen.add(t.data_ptr())
-        out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
-    return out
+    keys = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            keys.append(name)
+        seen.add(id(t))
+    return keys
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
+class ShardWriter:
+    """Greedy sharding in arrival order: a tensor that would take the current shard past max_bytes opens the next."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.shard: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[Path] = []  # saved shards, under temporary names until close()
+        self.weight_map: dict[str, int] = {}  # tensor name -> shard number
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return shards
+        if self.shard and self.size + nbytes > self.max_bytes:
+            self._flush()
+        self.shard[name] = t
+        self.weight_map[name] = len(self.files)
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        path = self.folder / f".shard-{len(self.files):05d}.safetensors"
+        save_file(self.shard, str(path), metadata={"format": "pt"})
+        self.files.append(path)
+        self.shard, self.size = {}, 0
+
+    def close(self) -> list[str]:
+        self._flush()
+        if len(self.files) == 1:
+            self.files[0].rename(self.folder / WEIGHTS_NAME)
+            return [WEIGHTS_NAME]
+        names = [f"model-{i:05d}-of-{len(self.files):05d}.safetensors" for i in range(1, len(self.files) + 1)]
+        for path, name in zip(self.files, names):
+            path.rename(self.folder / name)
+        index = {"metadata": {"total_size": self.total},
+                 "weight_map": {k: names[i] for k, i in self.weight_map.items()}}
+        (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return names + [INDEX_NAME]
 
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
-    shards = _shards(tensors, max_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-        return [WEIGHTS_NAME]
-    names, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
-        names.append(fname)
-        weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    return names + [INDEX_NAME]
+    shards = ShardWriter(folder, max_bytes)
+    for name, t in tensors.items():
+        shards.add(name, t)
+    return shards.close()
 
 
 def sha256_file(path: Path) -> str:
@@ -94,12 +115,63 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def model_config_dict(model: nn.Module, dtype: torch.dtype, quantization_config: dict) -> dict:
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
-    cfg["quantization_config"] = quantization_config
-    return cfg
+class ArtifactWriter:
+    """One artifact folder, filled tensor by tensor in `stored_keys` order; `finish` writes the rest and renames it
+    into place. Used as a context manager: on any error the temp folder goes and an OSError (disk full,
+    permissions) becomes one line naming the destination."""
+
+    def __init__(self, dest: Path, fmt: str, info: QuantInfo, dtype: torch.dtype, max_shard_bytes: int,
+                 overwrite: bool = False):
+        self.dest, self.fmt, self.info, self.dtype = Path(dest), fmt, info, dtype
+        if self.dest.exists() and not overwrite:
+            raise QuantkitError(f"export.output: {self.dest} already exists (pass --overwrite to replace it)")
+        self.tmp = self.dest.parent / f".{self.dest.name}.partial-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.shards = ShardWriter(self.tmp, max_shard_bytes)
+
+    def __enter__(self) -> "ArtifactWriter":
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        if kind is None:
+            return
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise QuantkitError(f"export.output: cannot write {self.dest}: {err.strerror or err}") from None
+
+    def add(self, name: str, t: torch.Tensor, qweights: dict[str, QuantizedWeight | Fp8Weight]) -> None:
+        """A state_dict entry: a quantized Linear's weight becomes its packed tensors, any other float is cast to
+        the export dtype."""
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module in qweights:
+            for key, packed in encode(self.fmt, {module: qweights[module]}, self.info, self.dtype).tensors.items():
+                self.shards.add(key, packed)
+        else:
+            self.shards.add(name, (t.to(self.dtype) if t.is_floating_point() else t).contiguous().clone())
+
+    def finish(self, config, tokenizer, generation_config, manifest: dict) -> Path:
+        """config: the model's PretrainedConfig; writes config.json with the format's quantization_config."""
+        self.shards.close()
+        encoded = encode(self.fmt, {}, self.info, self.dtype)
+        cfg = config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = str(self.dtype).removeprefix("torch.")
+        cfg["quantization_config"] = encoded.quantization_config
+        (self.tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for name, body in encoded.extra_files.items():
+            (self.tmp / name).write_text(json.dumps(body, indent=2) + "\n")
+        tokenizer.save_pretrained(str(self.tmp))
+        if generation_config is not None:
+            generation_config.save_pretrained(str(self.tmp))
+        files = {p.name: sha256_file(p) for p in sorted(self.tmp.iterdir()) if p.is_file()}
+        (self.tmp / MANIFEST_NAME).write_text(json.dumps(dict(manifest, format=self.fmt, files=files), indent=2) + "\n")
+        old = self.dest.parent / f".{self.dest.name}.replaced-{os.getpid()}"
+        if self.dest.exists():  # moved aside, not deleted, until the new folder is in place: never no artifact at all
+            self.dest.rename(old)
+        self.tmp.rename(self.dest)
+        shutil.rmtree(old, ignore_errors=True)
+        return self.dest
 
 
 def write_artifact(
@@ -114,35 +186,9 @@ def write_artifact(
     manifest: dict,
     overwrite: bool = False,
 ) -> Path:
-    dest = Path(dest)
-    if dest.exists() and not overwrite:
-        raise QuantkitError(f"export.output: {dest} already exists (pass --overwrite to replace it)")
-    tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        encoded = encode(fmt, qweights, info, dtype)
-        tensors = float_state_dict(model, set(qweights), dtype) | encoded.tensors
-        write_safetensors(tmp, tensors, max_shard_bytes)
-        config = model_config_dict(model, dtype, encoded.quantization_config)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for name, body in encoded.extra_files.items():
-            (tmp / name).write_text(json.dumps(body, indent=2) + "\n")
-        tokenizer.save_pretrained(str(tmp))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(str(tmp))
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        body = dict(manifest, format=fmt, files=files)
-        (tmp / MANIFEST_NAME).write_text(json.dumps(body, indent=2) + "\n")
-        old = dest.parent / f".{dest.name}.replaced-{os.getpid()}"
-        if dest.exists():  # moved aside, not deleted, until the new folder is in place: never no artifact at all
-            dest.rename(old)
-        tmp.rename(dest)
-        shutil.rmtree(old, ignore_errors=True)
-    except OSError as err:  # disk full, permissions: nothing half-written stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise QuantkitError(f"export.output: cannot write {dest}: {err.strerror or err}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    """The in-memory path: the whole quantized model written at once."""
+    with ArtifactWriter(dest, fmt, info, dtype, max_shard_bytes, overwrite) as writer:
+        state = model.state_dict()
+        for name in stored_keys(model):
+            writer.add(name, state[name], qweights)
+        return writer.finish(model.config, tokenizer, getattr(model, "generation_config", None), manifest)

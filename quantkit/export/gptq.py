@@ -25,8 +25,8 @@ from .base import Encoded, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
 MARKER = "qweight"
 
 
-def checkpoint_format(qweights: dict[str, QuantizedWeight]) -> str:
-    return "gptq" if all(qw.spec.sym for qw in qweights.values()) else "gptq_v2"
+def checkpoint_format(info: QuantInfo) -> str:
+    return "gptq" if info.spec.sym else "gptq_v2"
 
 
 def encode_module(qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
@@ -61,7 +61,7 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
 
 
 def encode(qweights: dict[str, QuantizedWeight], info: QuantInfo) -> Encoded:
-    fmt = checkpoint_format(qweights)
+    fmt = checkpoint_format(info)
     tensors = {
         f"{name}.{suffix}": t
         for name, qw in qweights.items()

@@ -11,15 +11,14 @@ from pathlib import Path
 
 import torch
 
+from ..errors import QuantkitError
+from ..export.artifact import MANIFEST_NAME, write_artifact
+from ..model import load_model, model_fingerprint, pick_device, torch_dtype
+from ..progress import Reporter
+from ..recipe import Recipe, parse_size
+from ..versions import package_versions
 from . import calibration, pipeline
 from .checkpoint import BlockCheckpoints, run_key
-from .errors import QuantkitError
-from .eval.cache import model_fingerprint
-from .export.artifact import MANIFEST_NAME, write_artifact
-from .model import load_model, pick_device, torch_dtype
-from .progress import Reporter
-from .recipe import Recipe, parse_size
-from .versions import package_versions
 
 
 def recipe_fingerprint(recipe: Recipe) -> dict:

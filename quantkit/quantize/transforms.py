@@ -18,13 +18,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .algorithms import awq
-from .algorithms.grid import GridSpec
-from .algorithms.smoothing import Mapping, find_mappings, fold
-from .algorithms.smoothquant import channel_absmax, norm_mappings, smoothing_scale
-from .errors import QuantkitError
-from .model import block_linears, matches
-from .recipe import AWQ, SmoothQuant, Stage
+from ..algorithms import awq
+from ..algorithms.grid import GridSpec
+from ..algorithms.smoothing import Mapping, find_mappings, fold
+from ..algorithms.smoothquant import channel_absmax, norm_mappings, smoothing_scale
+from ..errors import QuantkitError
+from ..model import block_linears, matches
+from ..recipe import AWQ, SmoothQuant, Stage
 
 
 def plan_mappings(path: str, prefix: str, blocks: nn.ModuleList,

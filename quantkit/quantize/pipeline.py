@@ -28,19 +28,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..algorithms.fp8 import Fp8Weight, fp8_quantize
+from ..algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
+from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..algorithms.rtn import rtn_quantize
+from ..errors import QuantkitError
+from ..export.base import QuantInfo
+from ..kernels.w8a8 import fake_quantize_tokens
+from ..model import block_linears, check_supported, decoder_blocks, matches
+from ..progress import Reporter, fmt_eta
+from ..recipe import Stage, WeightQuant
 from . import transforms as transform_passes
-from .algorithms.fp8 import Fp8Weight, fp8_quantize
-from .algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
-from .algorithms.grid import GridSpec, QuantizedWeight
-from .algorithms.rtn import rtn_quantize
 from .calibration import CalibrationSet
 from .checkpoint import BlockCheckpoints
-from .errors import QuantkitError
-from .export.base import QuantInfo
-from .kernels.w8a8 import fake_quantize_tokens
-from .model import block_linears, check_supported, decoder_blocks, matches
-from .progress import Reporter, fmt_eta
-from .recipe import Stage, WeightQuant
 
 
 @dataclass

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .algorithms.fp8 import Fp8Weight
-from .algorithms.grid import GridSpec, QuantizedWeight
-from .files import write_json_atomic
+from ..algorithms.fp8 import Fp8Weight
+from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..files import write_json_atomic
 
 FOLDER = ".quantkit-resume"
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import data
-from .errors import QuantkitError
-from .recipe import Calibration
+from .. import data
+from ..errors import QuantkitError
+from ..recipe import Calibration
 
 
 @dataclass
