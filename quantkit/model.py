@@ -81,26 +81,71 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_model(spec: str, dtype: str = "auto") -> Loaded:
+def _load_error(spec: str, err: Exception) -> QuantkitError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return QuantkitError(f"model: cannot load {spec}: {first}")
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    folder, gguf = resolve_model_path(spec)
+    quiet_transformers()
+    try:
+        return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+    except (OSError, ValueError, ImportError) as err:
+        raise _load_error(spec, err) from None
+
+
+def load_model(spec: str, dtype: str = "auto", tokenizer=None) -> Loaded:
     """Loads on CPU; the pipeline moves one block at a time to the compute device."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder, gguf = resolve_model_path(spec)
     kwargs = {"gguf_file": gguf} if gguf else {}
     # GGUF tensors are dequantized to float32; HF folders keep their stored dtype under "auto".
     want = torch_dtype(dtype) if (dtype != "auto" or gguf) else "auto"
-    quiet_transformers()
+    tokenizer = tokenizer or load_tokenizer(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=want, low_cpu_mem_usage=True, **kwargs)
     except (OSError, ValueError, ImportError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise QuantkitError(f"model: cannot load {spec}: {first}") from None
+        raise _load_error(spec, err) from None
     model.eval()
     if gguf:  # GGUF weights arrive dequantized; the source format is history, not a quantization config
         model.config.__dict__.pop("quantization_config", None)
         model.hf_quantizer = None
     return Loaded(model, tokenizer, spec)
+
+
+def meta_model(spec: str, config, dtype: torch.dtype) -> nn.Module:
+    """The model's skeleton: parameters on the meta device (shapes and dtypes only), buffers real (computed in
+    __init__, like rotary frequencies), weights tied as the config says."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, ImportError) as err:
+        raise _load_error(spec, err) from None
+    model.tie_weights()
+    return model.eval()
+
+
+def load_config(spec: str, dtype: str = "auto"):
+    """(config, compute dtype) of a model spec without reading its weights."""
+    from transformers import AutoConfig
+
+    folder, gguf = resolve_model_path(spec)
+    quiet_transformers()
+    try:
+        config = AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+    except (OSError, ValueError, ImportError) as err:
+        raise _load_error(spec, err) from None
+    if dtype != "auto":
+        return config, DTYPES[dtype]
+    # as load_model: GGUF dequantizes to float32, an HF folder keeps its stored dtype
+    return config, torch.float32 if gguf else (getattr(config, "dtype", None) or torch.float32)
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:

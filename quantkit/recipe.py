@@ -207,6 +207,9 @@ class Recipe(_Strict):
     model: str
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # memory: load the whole model; stream: read a safetensors checkpoint one block at a time (same artifact bytes);
+    # auto: stream when the whole model would take over half the free host memory
+    load: Literal["auto", "memory", "stream"] = "auto"
     calibration: Calibration | None = None
     stages: list[Stage] = Field(min_length=1)
     export: Export

@@ -50,11 +50,12 @@ def run_cli(monkeypatch, *args) -> int:
 
 
 def write_recipe(path: Path, model: Path | str, output: Path, stage: str, formats=("gptq", "compressed-tensors"),
-                 samples: int = 8, seq_len: int = 64, extra: str = "") -> Path:
+                 samples: int = 8, seq_len: int = 64, extra: str = "", load: str = "auto") -> Path:
     path.write_text(
         f"model: {model}\n"
         "dtype: float32\n"
         "device: cpu\n"
+        f"load: {load}\n"
         f"calibration: {{dataset: wikitext2, num_samples: {samples}, seq_len: {seq_len}, seed: 0}}\n"
         f"stages:\n  - {stage}\n"
         f"export: {{output: {output}, formats: [{', '.join(formats)}]{extra}}}\n"

@@ -87,18 +87,18 @@ class BlockCheckpoints:
         write_json_atomic(self.folder / "state.json", body, indent=None)
         (self.folder / f"hidden-{i - 1}.safetensors").unlink(missing_ok=True)  # only the newest one is ever read
 
-    def restore(self, blocks: nn.ModuleList, device: torch.device) -> tuple[torch.Tensor, dict, dict, dict]:
-        """Loads blocks 0..done in place; returns (hidden entering block done+1, qweights, losses, extra)."""
+    def restore(self, blocks: nn.ModuleList, device: torch.device, put, qweights: dict) -> tuple[torch.Tensor, dict, dict]:
+        """Hands blocks 0..done to put(i, block, state, block_qweights) one at a time, after adding the block's
+        quantized weights to `qweights`; returns (hidden entering block done+1, losses, extra)."""
         state = self.state
-        qweights: dict = {}
         for i in range(state["done"] + 1):
             tensors = load_file(str(self.folder / f"block-{i}.safetensors"))
             block_state = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
-            blocks[i].load_state_dict(block_state, strict=True)
             specs = {n: s for n, s in state["specs"].items() if f"q.{n}.scale" in tensors}
             qweights |= _unpack_weights(tensors, specs)
+            put(i, blocks[i], block_state, qweights)
         hidden = load_file(str(self.folder / f"hidden-{state['done']}.safetensors"))["hidden"].to(device)
-        return hidden, qweights, state["losses"], state.get("extra", {})
+        return hidden, state["losses"], state.get("extra", {})
 
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

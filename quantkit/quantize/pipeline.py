@@ -41,6 +41,7 @@ from ..recipe import Stage, WeightQuant
 from . import transforms as transform_passes
 from .calibration import CalibrationSet
 from .checkpoint import BlockCheckpoints
+from .source import InMemory, Streamed
 
 
 @dataclass
@@ -172,9 +173,12 @@ def quantize(
     report: Reporter,
     transforms: Sequence[Stage] = (),
     checkpoints: BlockCheckpoints | None = None,
+    source: "InMemory | Streamed | None" = None,
 ) -> QuantResult:
     """stage: the weight stage; transforms: the transform stages before it, in recipe order; checkpoints: where
-    the layer-wise run saves each finished block and resumes from (None: no checkpoints)."""
+    the layer-wise run saves each finished block and resumes from (None: no checkpoints); source: where each block's
+    weights come from and where a finished block goes (None: `model` is in memory)."""
+    source = source or InMemory()
     prefix, targets, info = plan(model, stage, formats, len(transforms))
     info.method = "+".join(s.name for s in [*transforms, stage])
     # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
@@ -184,13 +188,17 @@ def quantize(
         for note in p.notes:
             report.warn(f"{p.name}: {note}")
     result = QuantResult({}, info)
-    if stage.name == "rtn" and not passes:  # no data needed: one sweep over the weights
+    if stage.name == "rtn" and not passes:  # no data needed: one sweep over the weights, block by block
         with report.timed("rtn"), torch.no_grad():
-            for name, module in targets.items():
-                result.qweights[name], result.losses[name] = _rtn(module, stage.rtn, info.spec)
+            for i, block in enumerate(decoder_blocks(model)[1]):
+                source.load(i, block, device)
+                for name, module in targets.items():
+                    if name.startswith(f"{prefix}.{i}."):
+                        result.qweights[name], result.losses[name] = _rtn(module, stage.rtn, info.spec)
+                source.done(i, block, result.qweights)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
-        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints)
+        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source)
     for p in passes:
         report.info(p.summary())
     result.timings = dict(report.timings)
@@ -201,10 +209,13 @@ PASS_COUNTERS = ("ratios", "clipped", "smoothed")  # what each pass's summary() 
 
 
 def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter,
-               checkpoints: BlockCheckpoints | None) -> None:
+               checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed") -> None:
     _, blocks = decoder_blocks(model)
-    with report.timed("capture"):
+    with report.timed("capture"), source.capture():
         hidden, calls = capture_block_inputs(model, blocks, calib.tokens)
+    if hidden.device.type == "meta":
+        raise QuantkitError("model: capturing block 0's inputs used a weight outside the blocks that no module call "
+                            "loads; use load: memory")
     hidden = hidden.to(device)
     report.info(
         f"{result.info.method}: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration "
@@ -212,8 +223,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
     )
     first = 0
     if checkpoints is not None and checkpoints.state["done"] >= 0:
-        hidden, qweights, losses, extra = checkpoints.restore(blocks, device)
-        result.qweights |= qweights
+        hidden, losses, extra = checkpoints.restore(blocks, device, source.restore, result.qweights)
         result.losses |= losses
         for p, counters in zip(passes, extra.get("passes", [])):
             for k, v in counters.items():
@@ -225,7 +235,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         if i < first:
             continue
         t0 = time.perf_counter()
-        block.to(device)
+        source.load(i, block, device)
         names = {m: n for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
         call_args, call_kwargs = _to(calls[i], device)
 
@@ -266,6 +276,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                 own = {n: result.qweights[n] for n in names.values()}
                 extra = {"passes": [{k: getattr(p, k) for k in PASS_COUNTERS if hasattr(p, k)} for p in passes]}
                 checkpoints.save(i, block, own, {n: result.losses[n] for n in own}, hidden, extra)
+        source.done(i, block, result.qweights)
         elapsed = time.perf_counter() - start
         eta = elapsed / (i + 1 - first) * (len(blocks) - i - 1)
         losses = "  ".join(

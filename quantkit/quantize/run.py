@@ -7,23 +7,53 @@ import json
 import os
 import shutil
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from ..errors import QuantkitError
-from ..export.artifact import MANIFEST_NAME, write_artifact
-from ..model import load_model, model_fingerprint, pick_device, torch_dtype
+from ..bench.monitor import peak_rss_bytes, reset_peak_rss, rss_bytes
+from ..export.artifact import MANIFEST_NAME, ArtifactWriter, write_artifact
+from ..model import (decoder_blocks, load_config, load_model, load_tokenizer, meta_model, model_fingerprint,
+                     pick_device, resolve_model_path, torch_dtype)
 from ..progress import Reporter
 from ..recipe import Recipe, parse_size
 from ..versions import package_versions
-from . import calibration, pipeline
+from . import calibration, memory, pipeline
 from .checkpoint import BlockCheckpoints, run_key
+from .memory import fmt_bytes, host_available
+from .source import InMemory, Streamed
 
 
 def recipe_fingerprint(recipe: Recipe) -> dict:
-    """What the quantized weights depend on: the recipe without its export / release / gates sections."""
-    return recipe.model_dump(mode="json", exclude={"export", "release", "gates"})
+    """What the quantized weights depend on: the recipe without its export / release / gates sections, nor how the
+    weights are loaded (both paths give the same bytes, so a killed in-memory run resumes streamed)."""
+    return recipe.model_dump(mode="json", exclude={"export", "release", "gates", "load"})
+
+
+def choose_source(recipe: Recipe, device: torch.device, report: Reporter):
+    """(Streamed source or None for in-memory, the memory plan), decided and checked before any weight is read.
+    load: auto streams a safetensors folder whenever the whole model would take over half the free host memory."""
+    folder, gguf = resolve_model_path(recipe.model)
+    local = not gguf and Path(folder).is_dir()
+    if recipe.load == "stream" and not local:
+        raise QuantkitError(f"load: stream reads a local safetensors folder; {recipe.model} is "
+                            f"{'a GGUF file' if gguf else 'a hub id'} (use load: memory or auto)")
+    streamed = Streamed(folder, recipe.dtype) if local and recipe.load != "memory" else None
+    skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
+    _, blocks = decoder_blocks(skeleton)
+    targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, len(recipe.transforms))[1]
+    host_free = host_available()
+    device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    in_memory = memory.plan(skeleton, blocks, targets, recipe, False, device)
+    if streamed is not None and recipe.load == "auto" and in_memory.host_total <= host_free // 2:
+        streamed = None
+    chosen = memory.plan(skeleton, blocks, targets, recipe, True, device) if streamed else in_memory
+    report.info(f"{chosen.describe()}; free: host {fmt_bytes(host_free)}"
+                + (f", device {fmt_bytes(device_free)}" if device_free is not None else ""))
+    chosen.check(host_free, device_free)
+    return streamed, chosen
 
 
 def _alive(pid: str) -> bool:
@@ -61,15 +91,23 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
                 shutil.rmtree(stale, ignore_errors=True)
     device = pick_device(recipe.device)
     torch.manual_seed(0)
-    with report.timed("load"):
-        loaded = load_model(recipe.model, recipe.dtype)
-    report.info(f"loaded {recipe.model} ({type(loaded.model).__name__}, {loaded.model.dtype}) "
-                f"in {report.timings['load']:.1f} s")
+    streamed, skeleton = choose_source(recipe, device, report)
+    tokenizer = streamed.tokenizer if streamed else load_tokenizer(recipe.model)
     calib = None
     if recipe.needs_calibration:
         with report.timed("calibration"):
-            calib = calibration.build(loaded.tokenizer, recipe.calibration)
+            calib = calibration.build(tokenizer, recipe.calibration)
         report.info(f"calibration: {tuple(calib.tokens.shape)} tokens from {calib.source} (sha256 {calib.sha256[:12]})")
+    rss_start = rss_bytes()  # libraries imported, skeleton and calibration built: the rest is what the plan bounds
+    reset_peak_rss()
+    if streamed is None:
+        with report.timed("load"):
+            loaded = load_model(recipe.model, recipe.dtype, tokenizer)
+        model, source = loaded.model, InMemory()
+        report.info(f"loaded {recipe.model} ({type(model).__name__}, {model.dtype}) in {report.timings['load']:.1f} s")
+    else:
+        model, source = streamed.model, streamed
+        report.info(f"streaming {recipe.model} ({type(model).__name__}, {streamed.dtype}) block by block")
     versions = package_versions()
     checkpoints = None
     if calib is not None:
@@ -78,34 +116,53 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
         checkpoints = BlockCheckpoints(out_root, key)
         if not resume:
             checkpoints.clear()
-    with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
-        result = pipeline.quantize(loaded.model, recipe.stage, calib, device, recipe.export.formats, report,
-                                   recipe.transforms, checkpoints)
-    dtype = torch_dtype(recipe.export.dtype, loaded.model.dtype)
-    manifest = {
-        "quantkit_version": versions["quantkit"],
-        "recipe": recipe.model_dump(mode="json"),
-        "versions": versions,
-        "calibration": None if calib is None else {
-            "source": calib.source, "sha256": calib.sha256,
-            "num_samples": int(calib.tokens.shape[0]), "seq_len": int(calib.tokens.shape[1]),
-        },
-        "timings_s": dict(report.timings),
-        "losses": result.losses,
-    }
-    for fmt, dest in dests.items():
-        with report.timed(f"export:{fmt}"):
-            write_artifact(dest, fmt, loaded.model, loaded.tokenizer, result.qweights, result.info, dtype,
-                           parse_size(recipe.export.max_shard_size), manifest, overwrite or unfinished)
-        report.info(f"wrote {dest} in {report.timings[f'export:{fmt}']:.1f} s")
+    dtype = torch_dtype(recipe.export.dtype, streamed.dtype if streamed else model.dtype)
+    shard_bytes = parse_size(recipe.export.max_shard_size)
+    with ExitStack() as writers:
+        if streamed is not None:  # every format is filled as blocks finish
+            info = pipeline.plan(model, recipe.stage, recipe.export.formats, len(recipe.transforms))[2]
+            info.method = "+".join(s.name for s in recipe.stages)
+            streamed.writers = {fmt: writers.enter_context(ArtifactWriter(dest, fmt, info, dtype, shard_bytes,
+                                                                          overwrite or unfinished))
+                                for fmt, dest in dests.items()}
+        with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
+            result = pipeline.quantize(model, recipe.stage, calib, device, recipe.export.formats, report,
+                                       recipe.transforms, checkpoints, source)
+        manifest = {
+            "quantkit_version": versions["quantkit"],
+            "recipe": recipe.model_dump(mode="json"),
+            "versions": versions,
+            "calibration": None if calib is None else {
+                "source": calib.source, "sha256": calib.sha256,
+                "num_samples": int(calib.tokens.shape[0]), "seq_len": int(calib.tokens.shape[1]),
+            },
+            "timings_s": dict(report.timings),
+            "losses": result.losses,
+        }
+        if streamed is not None:
+            with report.timed("export"):
+                streamed.finish()
+                for fmt, writer in streamed.writers.items():
+                    writer.finish(model.config, tokenizer, streamed.generation_config, manifest)
+            report.info(f"wrote {', '.join(map(str, dests.values()))} in {report.timings['export']:.1f} s")
+        for fmt, dest in dests.items() if streamed is None else ():
+            with report.timed(f"export:{fmt}"):
+                write_artifact(dest, fmt, model, tokenizer, result.qweights, result.info, dtype, shard_bytes,
+                               manifest, overwrite or unfinished)
+            report.info(f"wrote {dest} in {report.timings[f'export:{fmt}']:.1f} s")
     if checkpoints is not None:
         checkpoints.clear()  # every artifact is complete: nothing left to resume
     total = time.perf_counter() - start
     report.info("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.timings.items()) + f"; total {total:.1f} s")
+    peak = peak_rss_bytes()
+    report.info(f"peak host memory {fmt_bytes(peak)}, {fmt_bytes(peak - rss_start)} above the start "
+                f"(plan {fmt_bytes(skeleton.host_total)})")
     return {
         "outputs": {fmt: str(d) for fmt, d in dests.items()},
+        "load": "stream" if streamed is not None else "memory",
         "timings_s": dict(report.timings) | {"total": round(total, 3)},
-        "quantized_modules": len(result.qweights),
+        "memory": {"plan": skeleton.as_dict(), "rss_start": rss_start, "rss_peak": peak},
+        "quantized_modules": len(result.losses),
         "loss_total": sum(v for v in result.losses.values() if v == v),
         "calibration_sha256": None if calib is None else calib.sha256,
     }

