@@ -180,11 +180,12 @@ class Streamed:
                 self._release(m)
 
     def load(self, i: int, block: nn.Module, device: torch.device) -> None:
+        self._emit_before(i)
         self._load(self.block_keys(i), device)
 
     def done(self, i: int, block: nn.Module, qweights: dict) -> None:
-        """Block i is final: its tensors (and the outer ones stored before it) go to the writers, then the block and
-        its entries of `qweights` (the run's, all blocks') go."""
+        """Block i is final: its tensors go to the writers, then the block and its entries of `qweights` (the run's,
+        all blocks') go."""
         block.to("cpu")
         state = {f"{self.prefix}.{i}.{k}": v for k, v in block.state_dict().items()}
         last = max(self.keys.index(k) for k in state)
@@ -195,12 +196,17 @@ class Streamed:
 
     def restore(self, i: int, block: nn.Module, state: dict, qweights: dict) -> None:
         """A block finished by a killed run, from its checkpoint: written as if it had just been quantized."""
+        self._emit_before(i)
         block.load_state_dict(state, strict=True, assign=True)
         self.done(i, block, qweights)
 
     def finish(self) -> None:
         """The tensors after the last block (final norm, head)."""
         self._emit_until(len(self.keys), {}, {})
+
+    def _emit_before(self, i: int) -> None:
+        """What is stored before block i (the embeddings) is written and freed before the block is materialised."""
+        self._emit_until(self.keys.index(self.block_keys(i)[0]), {}, {})
 
     def _emit_until(self, end: int, state: dict, qweights: dict) -> None:
         for key in self.keys[self._next:end]:
