@@ -33,13 +33,27 @@ def cli() -> None:
 @click.option("--no-resume", is_flag=True, help="Start over even when a killed run of this recipe left checkpoints.")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 @click.option("--json", "json_out", metavar="FILE", help="Write a machine-readable summary here.")
-def quantize(recipe_path: str, overwrite: bool, no_resume: bool, quiet: bool, json_out: str | None) -> None:
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes sharing the calibration: launches the same command under torchrun.")
+def quantize(recipe_path: str, overwrite: bool, no_resume: bool, quiet: bool, json_out: str | None,
+             nproc: int) -> None:
     """Quantize the model a YAML recipe names and write its artifacts. A run killed mid-way resumes from its
     last finished block when started again with the same recipe."""
+    import os
+
     from .quantize.run import run_quantize
     from .recipe import load_recipe
 
-    write_json(json_out, run_quantize(load_recipe(recipe_path), overwrite, Reporter(quiet), resume=not no_resume))
+    recipe = load_recipe(recipe_path)
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from .quantize.distributed import launch
+
+        args = [recipe_path] + ["--overwrite"] * overwrite + ["--no-resume"] * no_resume + ["--quiet"] * quiet
+        args += ["--json", json_out] if json_out else []
+        sys.exit(launch(nproc, args, Path(recipe.export.output)))
+    summary = run_quantize(recipe, overwrite, Reporter(quiet), resume=not no_resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_json(json_out, summary)
 
 
 def eval_options(fn):

@@ -25,6 +25,7 @@ from torch import nn
 from ..algorithms.fp8 import Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
 from ..files import write_json_atomic
+from .distributed import Ranks
 
 FOLDER = ".quantkit-resume"
 
@@ -66,9 +67,17 @@ def _unpack_weights(tensors: dict[str, torch.Tensor], specs: dict) -> dict[str, 
 
 
 class BlockCheckpoints:
-    def __init__(self, output: str | Path, key: str):
+    """Under several processes every rank keeps its own share of hidden states (hidden-i-rankR); rank 0 writes the
+    block files and state.json, which names block i only once every rank's hidden-i is on disk."""
+
+    def __init__(self, output: str | Path, key: str, ranks: Ranks = Ranks()):
         self.root = Path(output) / FOLDER
         self.folder = self.root / key
+        self.ranks = ranks
+
+    def _hidden(self, i: int) -> Path:
+        suffix = f"-rank{self.ranks.rank}" if self.ranks.active else ""
+        return self.folder / f"hidden-{i}{suffix}.safetensors"
 
     @property
     def state(self) -> dict:
@@ -78,14 +87,17 @@ class BlockCheckpoints:
     def save(self, i: int, block: nn.Module, qweights: dict, losses: dict, hidden: torch.Tensor, extra: dict) -> None:
         """Block i is complete: qweights / losses are the block's own entries, hidden what enters block i+1."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        q, specs = _pack_weights(qweights)
-        _save({f"block.{k}": v for k, v in block.state_dict().items()} | q, self.folder / f"block-{i}.safetensors")
-        _save({"hidden": hidden}, self.folder / f"hidden-{i}.safetensors")
-        state = self.state
-        body = {"done": i, "losses": state.get("losses", {}) | losses, "specs": state.get("specs", {}) | specs,
-                "extra": extra}
-        write_json_atomic(self.folder / "state.json", body, indent=None)
-        (self.folder / f"hidden-{i - 1}.safetensors").unlink(missing_ok=True)  # only the newest one is ever read
+        _save({"hidden": hidden}, self._hidden(i))
+        self.ranks.barrier()
+        if self.ranks.rank == 0:
+            q, specs = _pack_weights(qweights)
+            _save({f"block.{k}": v for k, v in block.state_dict().items()} | q, self.folder / f"block-{i}.safetensors")
+            state = self.state
+            body = {"done": i, "losses": state.get("losses", {}) | losses, "specs": state.get("specs", {}) | specs,
+                    "extra": extra}
+            write_json_atomic(self.folder / "state.json", body, indent=None)
+        self.ranks.barrier()  # state.json names block i: the older hidden states can go
+        self._hidden(i - 1).unlink(missing_ok=True)  # only the newest one is ever read
 
     def restore(self, blocks: nn.ModuleList, device: torch.device, put, qweights: dict) -> tuple[torch.Tensor, dict, dict]:
         """Hands blocks 0..done to put(i, block, state, block_qweights) one at a time, after adding the block's
@@ -97,7 +109,7 @@ class BlockCheckpoints:
             specs = {n: s for n, s in state["specs"].items() if f"q.{n}.scale" in tensors}
             qweights |= _unpack_weights(tensors, specs)
             put(i, blocks[i], block_state, qweights)
-        hidden = load_file(str(self.folder / f"hidden-{state['done']}.safetensors"))["hidden"].to(device)
+        hidden = load_file(str(self._hidden(state["done"])))["hidden"].to(device)
         return hidden, state["losses"], state.get("extra", {})
 
     def clear(self) -> None:

@@ -41,6 +41,7 @@ from ..recipe import Stage, WeightQuant
 from . import transforms as transform_passes
 from .calibration import CalibrationSet
 from .checkpoint import BlockCheckpoints
+from .distributed import Ranks
 from .source import InMemory, Streamed
 
 
@@ -174,16 +175,22 @@ def quantize(
     transforms: Sequence[Stage] = (),
     checkpoints: BlockCheckpoints | None = None,
     source: "InMemory | Streamed | None" = None,
+    ranks: Ranks = Ranks(),
 ) -> QuantResult:
     """stage: the weight stage; transforms: the transform stages before it, in recipe order; checkpoints: where
     the layer-wise run saves each finished block and resumes from (None: no checkpoints); source: where each block's
-    weights come from and where a finished block goes (None: `model` is in memory)."""
+    weights come from and where a finished block goes (None: `model` is in memory); ranks: the processes sharing
+    the calibration (a single one by default)."""
     source = source or InMemory()
     prefix, targets, info = plan(model, stage, formats, len(transforms))
     info.method = "+".join(s.name for s in [*transforms, stage])
     # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
     own = [stage] if stage.name in transform_passes.PASSES else []
     passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1])
+    if ranks.active and passes:
+        kind = [*transforms, *own][0].name
+        raise QuantkitError(f"stages.0.{kind}: calibration over several processes runs gptq and rtn stages only; "
+                            f"run {kind} in one process (without torchrun / --nproc)")
     for p in passes:
         for note in p.notes:
             report.warn(f"{p.name}: {note}")
@@ -198,7 +205,7 @@ def quantize(
                 source.done(i, block, result.qweights)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
-        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source)
+        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source, ranks)
     for p in passes:
         report.info(p.summary())
     result.timings = dict(report.timings)
@@ -209,10 +216,14 @@ PASS_COUNTERS = ("ratios", "clipped", "smoothed")  # what each pass's summary() 
 
 
 def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter,
-               checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed") -> None:
+               checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks) -> None:
     _, blocks = decoder_blocks(model)
+    tokens = ranks.share(calib.tokens)
+    if tokens.shape[0] == 0:
+        raise QuantkitError(f"calibration.num_samples: {calib.tokens.shape[0]} windows for {ranks.world} processes; "
+                            "every process needs at least one")
     with report.timed("capture"), source.capture():
-        hidden, calls = capture_block_inputs(model, blocks, calib.tokens)
+        hidden, calls = capture_block_inputs(model, blocks, tokens)
     if hidden.device.type == "meta":
         raise QuantkitError("model: capturing block 0's inputs used a weight outside the blocks that no module call "
                             "loads; use load: memory")
@@ -220,7 +231,9 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
     report.info(
         f"{result.info.method}: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration "
         f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
+        + (f", {ranks.world} processes ({tokens.shape[0]} windows on rank {ranks.rank})" if ranks.active else "")
     )
+    groups: dict[str, tuple[str, ...]] = {}  # Linears (by name inside a block) that read one input, learned in block 0
     first = 0
     if checkpoints is not None and checkpoints.state["done"] >= 0:
         hidden, losses, extra = checkpoints.restore(blocks, device, source.restore, result.qweights)
@@ -261,9 +274,11 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                 for warning in p.apply(i, block):
                     report.warn(warning)
         handles, inline_warnings = inline.inline(i, block) if inline else ([], list)
-        step = _gptq_block if stage.name == "gptq" else _rtn_block
         try:
-            hidden = step(run, hidden, names, stage.args, result, report)
+            if stage.name == "gptq":
+                hidden = _gptq_block(run, hidden, names, stage.args, result, report, ranks, groups, f"{prefix}.{i}.")
+            else:
+                hidden = _rtn_block(run, hidden, names, stage.args, result, report)
         finally:
             for handle in handles:
                 handle.remove()
@@ -305,9 +320,22 @@ def _rtn_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, resu
 
 
 def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
-                report: Reporter) -> torch.Tensor:
+                report: Reporter, ranks: Ranks, groups: dict[str, tuple[str, ...]], block: str) -> torch.Tensor:
+    """groups: Linears that read one input, by name inside the block; learned here in block 0 and used by later
+    blocks to solve a whole group (q/k/v, gate/up) at its first call, spread over the ranks."""
     spec, act = result.info.spec, result.info.activations
-    shared: dict = {"x": None, "xq": None, "solver": None}
+    by_name = {n: m for m, n in names.items()}
+    shared: dict = {"x": None, "xq": None, "h": None, "solver": None}
+    seen: list[list[str]] = []
+
+    def solve(name: str):
+        if shared["solver"] is None:
+            try:
+                shared["solver"] = GPTQ(shared["h"].value(), spec, args.damp, args.block_size, args.act_order,
+                                        warn=lambda m: report.warn(f"{name}: {m}"))
+            except NotPositiveDefinite as err:
+                raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
+        return shared["solver"].quantize(by_name[name].weight.data)
 
     def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
         name, x = names[module], inputs[0]
@@ -315,20 +343,27 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
             # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
             xq = x if act is None else fake_quantize_tokens(x, act)
-            shared.update(x=x, xq=xq, solver=None)
+            shared.update(x=x, xq=xq, h=None, solver=None)
+            seen.append([])
+        seen[-1].append(name.removeprefix(block))
         if name not in result.qweights:  # a Linear called twice in one forward is quantized once
             with report.timed("hessian+gptq"):
-                if shared["solver"] is None:
+                if shared["h"] is None:
                     h = Hessian(module.in_features, x.device)
                     h.add(shared["xq"])
-                    try:
-                        shared["solver"] = GPTQ(h.value(), spec, args.damp, args.block_size, args.act_order,
-                                                warn=lambda m: report.warn(f"{name}: {m}"))
-                    except NotPositiveDefinite as err:
-                        raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
-                qw, loss = shared["solver"].quantize(module.weight.data)
-            module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
-            result.qweights[name], result.losses[name] = qw, loss
+                    if ranks.active:  # the sums and token counts of every rank's share
+                        ranks.all_reduce(h.sum)
+                        h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
+                    shared["h"] = h
+                todo = [name] + [block + m for m in groups.get(name.removeprefix(block), ())
+                                 if block + m != name and block + m in by_name and block + m not in result.qweights]
+                owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in todo})
+                mine = {n: solve(n) for n in todo if owner[n] == ranks.rank}
+                for n in todo:  # single process: the one solve; several: each owner's result to every rank
+                    qw, loss = ranks.broadcast(mine.get(n), owner[n])
+                    target = by_name[n]
+                    target.weight.data = qw.dequantize(target.weight.dtype).to(target.weight.device)
+                    result.qweights[n], result.losses[n] = qw, loss
         return None if act is None else (shared["xq"], *inputs[1:])
 
     handles = [m.register_forward_pre_hook(pre_hook) for m in names]
@@ -339,6 +374,8 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         for handle in handles:
             handle.remove()
         shared.clear()
+    if ranks.active and not groups:
+        groups.update({m: tuple(g) for g in seen for m in g})
     for module, name in names.items():  # never called during the forward: no data, fall back to RTN
         if name not in result.qweights:
             report.warn(f"{name} was not reached by calibration data; quantized with RTN")

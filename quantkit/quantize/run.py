@@ -20,7 +20,7 @@ from ..model import (decoder_blocks, load_config, load_model, load_tokenizer, me
 from ..progress import Reporter
 from ..recipe import Recipe, parse_size
 from ..versions import package_versions
-from . import calibration, memory, pipeline
+from . import calibration, distributed, memory, pipeline
 from .checkpoint import BlockCheckpoints, run_key
 from .memory import fmt_bytes, host_available
 from .source import InMemory, Streamed
@@ -58,13 +58,7 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter):
 
 def _alive(pid: str) -> bool:
     """Whether the process that owns a temp folder (its name ends in -PID) still runs."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's live process
-        pass
-    return True
+    return pid.isdigit() and distributed.alive(int(pid))
 
 
 def _written_by(dest: Path, recipe: Recipe) -> bool:
@@ -76,7 +70,21 @@ def _written_by(dest: Path, recipe: Recipe) -> bool:
 
 
 def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool = True) -> dict:
-    """Writes every format of the recipe's export; returns the summary `quantkit quantize --json` prints."""
+    """Writes every format of the recipe's export; returns the summary `quantkit quantize --json` prints. Under
+    torchrun every rank calls this; rank 0 prints progress and writes the artifacts."""
+    out_root = Path(recipe.export.output)
+    ranks = distributed.init(pick_device(recipe.device).type, out_root / distributed.FOLDER)
+    report.quiet = report.quiet or ranks.rank > 0
+    try:
+        summary = _run(recipe, overwrite, report, resume, ranks)
+    except QuantkitError as err:
+        raise QuantkitError(ranks.record_failure(str(err))) from None
+    finally:
+        ranks.close()
+    return summary
+
+
+def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks: distributed.Ranks) -> dict:
     start = time.perf_counter()
     out_root = Path(recipe.export.output)
     dests = {fmt: out_root / fmt for fmt in recipe.export.formats}
@@ -85,11 +93,13 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
     unfinished = len(existing) < len(dests) and all(_written_by(d, recipe) for d in existing)
     if existing and not overwrite and not unfinished:
         raise QuantkitError(f"export.output: {existing[0]} already exists (pass --overwrite to replace it)")
-    for fmt in dests:  # what a killed export left behind (write_artifact's temp and set-aside folders)
+    for fmt in dests if ranks.rank == 0 else ():  # what a killed export left behind (temp and set-aside folders)
         for stale in [*out_root.glob(f".{fmt}.partial-*"), *out_root.glob(f".{fmt}.replaced-*")]:
             if not _alive(stale.name.rpartition("-")[2]):
                 shutil.rmtree(stale, ignore_errors=True)
     device = pick_device(recipe.device)
+    if device.type == "cuda" and ranks.active:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     torch.manual_seed(0)
     streamed, skeleton = choose_source(recipe, device, report)
     tokenizer = streamed.tokenizer if streamed else load_tokenizer(recipe.model)
@@ -112,14 +122,15 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
     checkpoints = None
     if calib is not None:
         key = run_key({"recipe": recipe_fingerprint(recipe), "model": model_fingerprint(recipe.model),
-                       "calibration": calib.sha256, "device": str(device), "versions": versions})
-        checkpoints = BlockCheckpoints(out_root, key)
+                       "calibration": calib.sha256, "device": device.type, "versions": versions,
+                       "processes": ranks.world})
+        checkpoints = BlockCheckpoints(out_root, key, ranks)
         if not resume:
             checkpoints.clear()
     dtype = torch_dtype(recipe.export.dtype, streamed.dtype if streamed else model.dtype)
     shard_bytes = parse_size(recipe.export.max_shard_size)
     with ExitStack() as writers:
-        if streamed is not None:  # every format is filled as blocks finish
+        if streamed is not None and ranks.rank == 0:  # every format is filled as blocks finish
             info = pipeline.plan(model, recipe.stage, recipe.export.formats, len(recipe.transforms))[2]
             info.method = "+".join(s.name for s in recipe.stages)
             streamed.writers = {fmt: writers.enter_context(ArtifactWriter(dest, fmt, info, dtype, shard_bytes,
@@ -127,7 +138,7 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
                                 for fmt, dest in dests.items()}
         with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
             result = pipeline.quantize(model, recipe.stage, calib, device, recipe.export.formats, report,
-                                       recipe.transforms, checkpoints, source)
+                                       recipe.transforms, checkpoints, source, ranks)
         manifest = {
             "quantkit_version": versions["quantkit"],
             "recipe": recipe.model_dump(mode="json"),
@@ -139,19 +150,20 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
             "timings_s": dict(report.timings),
             "losses": result.losses,
         }
-        if streamed is not None:
+        if streamed is not None and ranks.rank == 0:
             with report.timed("export"):
                 streamed.finish()
                 for fmt, writer in streamed.writers.items():
                     writer.finish(model.config, tokenizer, streamed.generation_config, manifest)
             report.info(f"wrote {', '.join(map(str, dests.values()))} in {report.timings['export']:.1f} s")
-        for fmt, dest in dests.items() if streamed is None else ():
+        for fmt, dest in dests.items() if streamed is None and ranks.rank == 0 else ():
             with report.timed(f"export:{fmt}"):
                 write_artifact(dest, fmt, model, tokenizer, result.qweights, result.info, dtype, shard_bytes,
                                manifest, overwrite or unfinished)
             report.info(f"wrote {dest} in {report.timings[f'export:{fmt}']:.1f} s")
-    if checkpoints is not None:
+    if checkpoints is not None and ranks.rank == 0:
         checkpoints.clear()  # every artifact is complete: nothing left to resume
+    ranks.finished()
     total = time.perf_counter() - start
     report.info("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.timings.items()) + f"; total {total:.1f} s")
     peak = peak_rss_bytes()

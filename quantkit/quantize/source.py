@@ -209,6 +209,9 @@ class Streamed:
         self._emit_until(self.keys.index(self.block_keys(i)[0]), {}, {})
 
     def _emit_until(self, end: int, state: dict, qweights: dict) -> None:
+        if not self.writers:  # a rank other than 0 under several processes: rank 0 writes
+            self._next = end
+            return
         for key in self.keys[self._next:end]:
             if key not in state:
                 if key.startswith(f"{self.prefix}."):

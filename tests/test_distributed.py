@@ -1,0 +1,125 @@
+"""Calibration over torch.distributed (gloo, 2 processes under torchrun via `quantkit quantize --nproc 2`): the
+codes agree with one process, perplexity holds, a rank that dies or fails ends the run with one line naming it, and
+the same command resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_recipe
+from safetensors.torch import load_file
+from tiny_models import make_tiny_model
+
+from quantkit.export import gptq
+from quantkit.export.base import split_by_module
+
+GPTQ = "gptq: {bits: 4, group_size: 32, sym: false, act_order: true}"
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama4", "llama", layers=4)
+
+
+def quantkit(*args, hook: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The quantkit CLI in a child process. hook: Python run at start-up in every process (torchrun's workers too,
+    through sitecustomize), to make one rank fail on purpose."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    if hook:
+        site = cwd / "site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(textwrap.dedent(hook))
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "quantkit.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env)
+
+
+def codes(folder: Path) -> dict[str, torch.Tensor]:
+    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    tensors = {}
+    for f in folder.glob("*.safetensors"):
+        tensors |= load_file(f)
+    return {m: gptq.decode_module(t, qcfg).codes for m, t in split_by_module(tensors, gptq.MARKER).items()}
+
+
+def agreement(a: Path, b: Path) -> float:
+    ca, cb = codes(a), codes(b)
+    assert ca.keys() == cb.keys() and ca
+    same = sum(int((ca[k] == cb[k]).sum()) for k in ca)
+    return same / sum(ca[k].numel() for k in ca)
+
+
+def ppl(artifact: Path, tmp: Path) -> float:
+    out = tmp / f"{artifact.parent.name}.eval.json"
+    run = quantkit("eval", artifact, "--dataset", "wikitext2", "--seq-len", 256, "--max-tokens", 4096,
+                   "--no-generation", "--quiet", "--json", out)
+    assert run.returncode == 0, run.stderr
+    return json.loads(out.read_text())["ppl"]["model"]
+
+
+def test_two_ranks_agree_with_one_process(four_layers, tmp_path):
+    runs = {}
+    for nproc in (1, 2):
+        recipe = write_recipe(tmp_path / f"{nproc}.yaml", four_layers, tmp_path / f"p{nproc}", GPTQ, ("gptq",),
+                              samples=16)
+        run = quantkit("quantize", recipe, "--nproc", nproc)
+        assert run.returncode == 0, run.stderr
+        runs[nproc] = tmp_path / f"p{nproc}" / "gptq"
+    assert "2 processes (8 windows on rank 0)" in run.stderr
+    assert not (tmp_path / "p2" / ".quantkit-ranks").exists()  # nothing of the ranks is left behind
+    assert agreement(runs[1], runs[2]) >= 0.999
+    one, two = ppl(runs[1], tmp_path), ppl(runs[2], tmp_path)
+    assert abs(two / one - 1) < 0.002, (one, two)
+
+
+KILL_RANK_1 = """
+    import os, signal
+    if os.environ.get("RANK") == "1":
+        from quantkit.quantize import checkpoint
+        save = checkpoint.BlockCheckpoints.save
+        def save_then_{what}(self, i, *args):
+            save(self, i, *args)
+            if i == 1:
+                {action}
+        checkpoint.BlockCheckpoints.save = save_then_{what}
+"""
+
+
+@pytest.mark.parametrize("what,action,line", [
+    ("die", "os.kill(os.getpid(), signal.SIGKILL)", "error: rank 1: died"),
+    ("fail", "from quantkit.errors import QuantkitError; raise QuantkitError('calibration: injected failure')",
+     "error: rank 1: calibration: injected failure"),
+])
+def test_a_failing_rank_ends_the_run_with_its_line_and_the_run_resumes(four_layers, tmp_path, what, action, line):
+    whole = write_recipe(tmp_path / "whole.yaml", four_layers, tmp_path / "whole", GPTQ, ("gptq",), samples=16)
+    assert quantkit("quantize", whole, "--nproc", 2).returncode == 0
+    recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", GPTQ, ("gptq",), samples=16)
+    failed = quantkit("quantize", recipe, "--nproc", 2, hook=KILL_RANK_1.format(what=what, action=action),
+                      cwd=tmp_path)
+    assert failed.returncode == 2
+    errors = [x for x in failed.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(line), failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert not (tmp_path / "out" / "gptq").exists()
+    resumed = quantkit("quantize", recipe, "--nproc", 2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after block 2/4" in resumed.stderr
+    for f in ("model.safetensors", "config.json"):  # the resumed run is the uninterrupted one, byte for byte
+        assert (tmp_path / "out" / "gptq" / f).read_bytes() == (tmp_path / "whole" / "gptq" / f).read_bytes()
+
+
+def test_transform_stages_ask_for_one_process(four_layers, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "o", "smoothquant: {alpha: 0.5}\n  - " + GPTQ,
+                          ("gptq",))
+    run = quantkit("quantize", recipe, "--nproc", 2)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: rank 0: stages.0.smoothquant: calibration over several processes runs gptq and rtn stages only; "
+        "run smoothquant in one process (without torchrun / --nproc)")
