@@ -61,8 +61,9 @@ def main() -> None:
     ids = eval_tokens(loaded.tokenizer, "wikitext2", args.max_tokens)
     entry, parts = base_logits_entry(args.base, ids, args.seq_len, 256, "auto", cpu, root)
     if not entry.complete():
-        fill_base_cache(entry, parts, args.base, "wikitext2", args.max_tokens, ids, args.seq_len, 256, cpu, quiet,
-                        runtime.load(args.base))
+        base = runtime.load(args.base)
+        fill_base_cache(entry, parts, args.base, "wikitext2", args.max_tokens, ids, 256, base.tokenizer,
+                        window_logits(base.model, ids, args.seq_len, quiet, "base window", cpu))
 
     def timed(fn) -> tuple[float, float]:
         """(wall s, CPU s of this process and its children)"""

@@ -80,6 +80,10 @@ def eval_options(fn):
         click.option("--gen-prompts", metavar="FILE", help="JSONL of {\"prompt\": ...} (default: bundled 16 prompts)."),
         click.option("--gen-tokens", default=64, show_default=True, type=click.IntRange(min=1)),
         click.option("--cache-dir", metavar="DIR", help="Base cache (default $QUANTKIT_CACHE or ~/.cache/quantkit)."),
+        click.option("--base-load", default="auto", show_default=True, type=click.Choice(["auto", "memory", "stream"]),
+                     help="stream: the base's log-probs block by block from its safetensors, for a base larger than "
+                     "memory; auto: stream when its files take over half the free memory and no task or generation "
+                     "needs it whole."),
         click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr."),
     ]
     for opt in reversed(opts):
@@ -95,7 +99,7 @@ def _options(kw: dict):
                        dtype=kw["dtype"], device=kw["device"], tasks=parse_tasks(kw["tasks"]), limit=kw["limit"],
                        num_fewshot=kw["num_fewshot"], batch_size=kw["batch_size"], top_k=kw["top_k"],
                        generation=kw["generation"], gen_prompts=kw["gen_prompts"], gen_tokens=kw["gen_tokens"],
-                       cache_dir=kw["cache_dir"])
+                       cache_dir=kw["cache_dir"], base_load=kw["base_load"])
 
 
 def _summary_line(body: dict) -> str:

@@ -67,6 +67,21 @@ def test_hessian_is_a_sum_so_shards_combine():
     torch.testing.assert_close(whole.value(), 2 * x.T @ x / 1000, rtol=1e-5, atol=1e-4)
 
 
+def test_hessian_of_windows_is_bit_identical_however_they_are_shared():
+    """What makes N processes give the one-process GPTQ: the same Hessian to the bit, whatever the split and order."""
+    windows = correlated_inputs(n=1600).view(16, 100, 128)
+    one = Hessian(128)
+    one.add(windows)
+    for split in ([slice(0, 16, 2), slice(1, 16, 2)], [slice(0, 5), slice(5, 11), slice(11, 16)]):
+        parts = [Hessian(128) for _ in split]
+        for part, s in zip(parts, split):
+            part.add(windows[s])
+        total = sum(part.sum for part in reversed(parts))
+        assert torch.equal((total * (2.0 / 1600)).float(), one.value())
+    fp32 = sum((w.T @ w for w in windows[1::2]), torch.zeros(128, 128)) + sum(w.T @ w for w in windows[0::2])
+    assert not torch.equal(fp32 * (2.0 / 1600), one.value())  # in fp32 the order would show
+
+
 def test_act_order_keeps_groups_contiguous_and_ranks_by_diagonal():
     diag = torch.tensor([1.0, 9, 2, 3, 8, 0, 7, 4])
     perm = act_order_permutation(diag, span=4)

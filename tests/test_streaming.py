@@ -183,3 +183,47 @@ def test_streamed_peak_host_memory_stays_within_the_plan(tmp_path):
     assert growth["memory"] > 1.5 * plans["stream"], (growth, plans)
     with safe_open(str(next(ckpt.glob("model-*.safetensors"))), "pt") as f:
         assert f.keys()  # the checkpoint really is safetensors shards
+
+
+def test_a_checkpoint_missing_a_tensor_is_named(checkpoints, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    ckpt = shutil.copytree(checkpoints[True], tmp_path / "ckpt")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.2.mlp.up_proj.weight"]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    recipe = write_recipe(tmp_path / "r.yaml", ckpt, tmp_path / "o", STAGES["rtn"], ("gptq",), load="stream")
+    assert run_cli(monkeypatch, "quantize", recipe) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: model: {ckpt} has no tensor for model.layers.2.mlp.up_proj.weight (and 0 more); is it a checkpoint "
+        "of this config.json?")
+
+
+def test_eval_base_streamed_block_by_block_matches_the_whole_base(checkpoints, tmp_path, monkeypatch):
+    """`quantkit eval --base-load stream` gets the base's log-probs block by block over all windows; the shift it
+    measures equals the one from the base loaded whole (batched vs one-window matmuls: last-bit differences)."""
+    ckpt = checkpoints[False]
+    recipe = write_recipe(tmp_path / "r.yaml", ckpt, tmp_path / "o", STAGES["rtn"], ("compressed-tensors",))
+    assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
+    res = {}
+    for load in ("memory", "stream"):
+        out = tmp_path / f"{load}.json"
+        assert run_cli(monkeypatch, "eval", tmp_path / "o" / "compressed-tensors", "--base", ckpt, "--base-load", load,
+                       "--seq-len", 128, "--max-tokens", 1024, "--no-generation", "--cache-dir", tmp_path / load,
+                       "--quiet", "--json", out) == 0
+        res[load] = json.loads(out.read_text())
+    mem, stream = res["memory"], res["stream"]
+    assert mem["windows"] == stream["windows"] == 8
+    assert abs(stream["ppl"]["base"] / mem["ppl"]["base"] - 1) < 1e-5
+    assert stream["ppl"]["model"] == mem["ppl"]["model"]  # the artifact side is the same code path
+    assert abs(stream["kld"]["mean"] - mem["kld"]["mean"]) < 1e-6 and stream["kld"]["mean"] > 1e-4
+    assert stream["same_top"] == pytest.approx(mem["same_top"], abs=2e-3)
+
+
+def test_eval_base_stream_refuses_what_needs_the_whole_base(checkpoints, tmp_path, monkeypatch, capsys):
+    ckpt = checkpoints[False]
+    assert run_cli(monkeypatch, "eval", ckpt, "--base", ckpt, "--base-load", "stream", "--max-tokens", 512,
+                   "--seq-len", 128, "--cache-dir", tmp_path, "--quiet") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --base-load stream: only the base's log-probs are computed block by block; generation (pass "
+        "--no-generation) needs the whole base (or its cached results)")

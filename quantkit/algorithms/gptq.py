@@ -20,20 +20,28 @@ class NotPositiveDefinite(RuntimeError):
 
 
 class Hessian:
-    """H = 2/n · Σ xᵀx over calibration tokens, in fp32. Kept as a sum and a count, so calibration shards
-    on several processes combine by all-reducing `sum` and `count`."""
+    """H = 2/n · Σ xᵀx over calibration tokens. Kept as a sum and a count, so calibration shards on several
+    processes combine by all-reducing `sum` and `count`.
+
+    Each calibration window's xᵀx is computed on its own in fp32 and summed in fp64. A window's term then does not
+    depend on which other windows share its batch, and fp64 sums of a few hundred fp32 terms come out the same in
+    any order. So N processes, each summing its share, get the one-process Hessian. A last-bit difference would
+    matter: GPTQ's error feedback carries one flipped code along the rest of its row."""
 
     def __init__(self, columns: int, device: torch.device | str = "cpu"):
-        self.sum = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.sum = torch.zeros(columns, columns, dtype=torch.float64, device=device)
         self.count = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(self.sum.device, torch.float32)
-        self.sum.addmm_(x.T, x)
-        self.count += x.shape[0]
+        """x: [windows, tokens, columns] (or [tokens, columns]: one window)."""
+        windows = x if x.dim() > 2 else x.unsqueeze(0)
+        for w in windows:
+            w = w.reshape(-1, w.shape[-1]).to(self.sum.device, torch.float32)
+            self.sum.add_(w.T @ w)
+            self.count += w.shape[0]
 
     def value(self) -> torch.Tensor:
-        return self.sum * (2.0 / max(self.count, 1))
+        return (self.sum * (2.0 / max(self.count, 1))).float()
 
 
 def act_order_permutation(diag: torch.Tensor, span: int) -> torch.Tensor:
@@ -51,12 +59,16 @@ def act_order_permutation(diag: torch.Tensor, span: int) -> torch.Tensor:
 
 def _upper_inverse_cholesky(h: torch.Tensor, damp: float, warn: Callable[[str], None]):
     mean_diag = torch.diag(h).mean()
-    for _ in range(4):
-        damped = h.clone()
+    for _ in range(4):  # at most h and two in x in matrices alive at once (`del`: the Hessian of a 14k-wide
+        damped = h.clone()  # down_proj is 0.8 GB)
         damped.diagonal().add_(damp * mean_diag)
         lower, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if info == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             if info == 0:
                 return upper, damp
         warn(f"Hessian not positive definite at damp={damp:g}; retrying with damp={damp * 10:g}")
@@ -75,6 +87,7 @@ class GPTQ:
         warn: Callable[[str], None] = lambda msg: None,
     ):
         h = hessian.float().clone()
+        del hessian  # the caller's may be a temporary: freed here rather than after the factorization
         self.spec, self.block_size = spec, block_size
         self.dead = torch.diag(h) == 0  # inputs that never fired: their weights cannot matter
         h[self.dead, self.dead] = 1

@@ -5,11 +5,12 @@ model is run once, window by window."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 
 from ..errors import QuantkitError
-from ..model import Loaded, model_fingerprint
+from ..model import model_fingerprint
 from ..progress import Reporter
 from . import cache
 from .distribution import BaseTopK, ShiftAccumulator, token_stats
@@ -28,15 +29,16 @@ def base_logits_entry(base: str, ids: torch.Tensor, seq_len: int, top_k: int, dt
 
 
 def fill_base_cache(entry: cache.LogitCache, parts: dict, base: str, dataset: str, max_tokens: int | None,
-                    ids: torch.Tensor, seq_len: int, top_k: int, device: torch.device, report: Reporter,
-                    loaded: Loaded, extra_meta: dict | None = None) -> None:
-    if not torch.equal(eval_tokens(loaded.tokenizer, dataset, max_tokens), ids):
+                    ids: torch.Tensor, top_k: int, tokenizer, logits: Iterator, extra_meta: dict | None = None) -> None:
+    """logits: the base's (window, logits, targets), from a whole model (perplexity.window_logits) or streamed
+    block by block (streamed.streamed_window_logits)."""
+    if not torch.equal(eval_tokens(tokenizer, dataset, max_tokens), ids):
         raise QuantkitError(f"--base: {base} tokenizes the evaluation text differently from the model "
                             "(a different tokenizer cannot be compared token by token)")
     entry.start()
     try:
-        for i, logits, targets in window_logits(loaded.model, ids, seq_len, report, "base window", device):
-            entry.write(i, BaseTopK.from_logits(logits, targets, top_k).to("cpu"))
+        for i, window_logits_, targets in logits:
+            entry.write(i, BaseTopK.from_logits(window_logits_, targets, top_k).to("cpu"))
         entry.commit({"key_parts": parts, **(extra_meta or {})})
     except BaseException:
         entry.abort()

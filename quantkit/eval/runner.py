@@ -16,11 +16,14 @@ from pathlib import Path
 import torch
 
 from .. import runtime
-from ..model import model_fingerprint, pick_device
+from ..errors import QuantkitError
+from ..model import model_fingerprint, pick_device, resolve_model_path
 from ..progress import Reporter
+from ..quantize.memory import host_available
 from . import cache, generation, tasks
 from .compare import base_logits_entry, distribution_shift, fill_base_cache
-from .perplexity import eval_tokens, perplexity
+from .perplexity import eval_tokens, perplexity, window_logits
+from .streamed import open_base, streamed_window_logits
 
 
 @dataclass
@@ -40,6 +43,7 @@ class EvalOptions:
     gen_prompts: str | None = None
     gen_tokens: int = 64
     cache_dir: str | None = None
+    base_load: str = "auto"  # memory | stream (block by block from its safetensors: log-probs only) | auto
 
 
 def weight_bytes(path: str, model) -> tuple[int, str]:
@@ -88,6 +92,23 @@ def _gen_entry(o: EvalOptions, prompts: list[str], root: Path, device: torch.dev
     return cache.JsonCache(root, "base-generation", cache.key(**parts))
 
 
+def _stream_base(o: EvalOptions, prompts: list[str]) -> bool:
+    """Whether the base's log-probs are computed block by block. auto: a local safetensors base whose files take
+    over half the free host memory, when nothing else needs the whole base."""
+    whole = [what for what, needed in (("--tasks", o.tasks), ("generation (pass --no-generation)", prompts))
+             if needed]
+    if o.base_load == "stream":
+        if whole:
+            raise QuantkitError(f"--base-load stream: only the base's log-probs are computed block by block; "
+                                f"{whole[0]} needs the whole base (or its cached results)")
+        return True
+    if o.base_load == "memory" or whole:
+        return False
+    folder, gguf = resolve_model_path(o.base, "--base")
+    files = [] if gguf else list(Path(folder).glob("*.safetensors"))
+    return bool(files) and sum(f.stat().st_size for f in files) > host_available() // 2
+
+
 def evaluate(model_path: str, o: EvalOptions, report: Reporter) -> dict:
     device = pick_device(o.device)
     root = cache.cache_root(o.cache_dir)
@@ -110,12 +131,21 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter) -> dict:
         body["base_cache_hit"] = {"logits": entry.complete()}
         if entry.complete():
             report.info(f"base logits: cached in {entry.folder}")
+        elif _stream_base(o, prompts):
+            report.info(f"base logits: computing {o.base} once, block by block from its checkpoint "
+                        f"(cached in {entry.folder})")
+            with report.timed("base_logits"):
+                streamed = open_base(o.base, o.dtype)
+                fill_base_cache(entry, parts, o.base, o.dataset, o.max_tokens, ids, o.top_k, streamed.tokenizer,
+                                streamed_window_logits(streamed, ids, o.seq_len, report, device),
+                                {"size_bytes": weight_bytes(o.base, None)[0]})
         else:
             report.info(f"base logits: computing {o.base} once (cached in {entry.folder})")
             with report.timed("base_logits"):
                 b = base.get()
-                fill_base_cache(entry, parts, o.base, o.dataset, o.max_tokens, ids, o.seq_len, o.top_k, device,
-                                report, b, {"size_bytes": weight_bytes(o.base, b.model)[0]})
+                fill_base_cache(entry, parts, o.base, o.dataset, o.max_tokens, ids, o.top_k, b.tokenizer,
+                                window_logits(b.model, ids, o.seq_len, report, "base window", device),
+                                {"size_bytes": weight_bytes(o.base, b.model)[0]})
         body["base_size_bytes"] = entry.meta().get("size_bytes")
         task_entries = _task_entries(o, root, device)
         missing = [t for t, e in task_entries.items() if e.get() is None]

@@ -102,13 +102,13 @@ def plan(
     return prefix, targets, info
 
 
-def _to(obj: Any, device: torch.device) -> Any:
+def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
+        return type(obj)(to_device(o, device) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -250,7 +250,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         t0 = time.perf_counter()
         source.load(i, block, device)
         names = {m: n for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
-        call_args, call_kwargs = _to(calls[i], device)
+        call_args, call_kwargs = to_device(calls[i], device)
 
         def run(x: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
@@ -330,8 +330,8 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
 
     def solve(name: str):
         if shared["solver"] is None:
-            try:
-                shared["solver"] = GPTQ(shared["h"].value(), spec, args.damp, args.block_size, args.act_order,
+            try:  # the Hessian's sum goes as its factors are made: one in x in matrix less at the peak
+                shared["solver"] = GPTQ(shared.pop("h").value(), spec, args.damp, args.block_size, args.act_order,
                                         warn=lambda m: report.warn(f"{name}: {m}"))
             except NotPositiveDefinite as err:
                 raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
@@ -348,7 +348,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         seen[-1].append(name.removeprefix(block))
         if name not in result.qweights:  # a Linear called twice in one forward is quantized once
             with report.timed("hessian+gptq"):
-                if shared["h"] is None:
+                if shared.get("h") is None and shared["solver"] is None:
                     h = Hessian(module.in_features, x.device)
                     h.add(shared["xq"])
                     if ranks.active:  # the sums and token counts of every rank's share

@@ -32,9 +32,10 @@ def recipe_fingerprint(recipe: Recipe) -> dict:
     return recipe.model_dump(mode="json", exclude={"export", "release", "gates", "load"})
 
 
-def choose_source(recipe: Recipe, device: torch.device, report: Reporter):
+def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_ranks: int = 1):
     """(Streamed source or None for in-memory, the memory plan), decided and checked before any weight is read.
-    load: auto streams a safetensors folder whenever the whole model would take over half the free host memory."""
+    load: auto streams a safetensors folder whenever the whole model would take over half the free host memory.
+    local_ranks: processes on this node, each with the plan's host memory to itself."""
     folder, gguf = resolve_model_path(recipe.model)
     local = not gguf and Path(folder).is_dir()
     if recipe.load == "stream" and not local:
@@ -44,13 +45,14 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter):
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
     _, blocks = decoder_blocks(skeleton)
     targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, len(recipe.transforms))[1]
-    host_free = host_available()
+    host_free = host_available() // local_ranks
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     in_memory = memory.plan(skeleton, blocks, targets, recipe, False, device)
     if streamed is not None and recipe.load == "auto" and in_memory.host_total <= host_free // 2:
         streamed = None
     chosen = memory.plan(skeleton, blocks, targets, recipe, True, device) if streamed else in_memory
     report.info(f"{chosen.describe()}; free: host {fmt_bytes(host_free)}"
+                + (f" per process ({local_ranks} on this node)" if local_ranks > 1 else "")
                 + (f", device {fmt_bytes(device_free)}" if device_free is not None else ""))
     chosen.check(host_free, device_free)
     return streamed, chosen
@@ -101,7 +103,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     if device.type == "cuda" and ranks.active:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     torch.manual_seed(0)
-    streamed, skeleton = choose_source(recipe, device, report)
+    streamed, skeleton = choose_source(recipe, device, report, int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
     tokenizer = streamed.tokenizer if streamed else load_tokenizer(recipe.model)
     calib = None
     if recipe.needs_calibration:

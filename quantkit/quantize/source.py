@@ -125,7 +125,8 @@ class Streamed:
             if target not in meta and key in meta:
                 target = key
             self.sources.setdefault(target, []).append(key)
-        missing = [k for k in self.keys if k not in self.sources and k in dict(self.model.named_parameters())]
+        params = {name for name, _ in self.model.named_parameters()}
+        missing = [k for k in self.keys if k not in self.sources and k in params]
         if missing:
             raise QuantkitError(f"model: {self.folder} has no tensor for {missing[0]} (and {len(missing) - 1} more); "
                                 "is it a checkpoint of this config.json?")
@@ -186,10 +187,10 @@ class Streamed:
     def done(self, i: int, block: nn.Module, qweights: dict) -> None:
         """Block i is final: its tensors go to the writers, then the block and its entries of `qweights` (the run's,
         all blocks') go."""
-        block.to("cpu")
-        state = {f"{self.prefix}.{i}.{k}": v for k, v in block.state_dict().items()}
-        last = max(self.keys.index(k) for k in state)
-        self._emit_until(last + 1, state, qweights)
+        if self.writers:
+            block.to("cpu")
+            state = {f"{self.prefix}.{i}.{k}": v for k, v in block.state_dict().items()}
+            self._emit_until(max(self.keys.index(k) for k in state) + 1, state, qweights)
         self._release(block)
         for name in [n for n in qweights if n.startswith(f"{self.prefix}.{i}.")]:
             del qweights[name]  # written: the codes need not stay in memory
