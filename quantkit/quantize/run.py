@@ -14,7 +14,7 @@ import torch
 
 from ..errors import QuantkitError
 from ..bench.monitor import peak_rss_bytes, reset_peak_rss, rss_bytes
-from ..export.artifact import MANIFEST_NAME, ArtifactWriter, write_artifact
+from ..export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, ArtifactWriter, write_artifact
 from ..model import (decoder_blocks, load_config, load_model, load_tokenizer, meta_model, model_fingerprint,
                      pick_device, resolve_model_path, torch_dtype)
 from ..progress import Reporter
@@ -41,7 +41,9 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     if recipe.load == "stream" and not local:
         raise QuantkitError(f"load: stream reads a local safetensors folder; {recipe.model} is "
                             f"{'a GGUF file' if gguf else 'a hub id'} (use load: memory or auto)")
-    streamed = Streamed(folder, recipe.dtype) if local and recipe.load != "memory" else None
+    safetensors = local and any((Path(folder) / f).is_file() for f in (WEIGHTS_NAME, INDEX_NAME))
+    wanted = recipe.load == "stream" or (recipe.load == "auto" and safetensors)  # auto: .bin folders load whole
+    streamed = Streamed(folder, recipe.dtype) if local and wanted else None
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
     _, blocks = decoder_blocks(skeleton)
     targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, len(recipe.transforms))[1]
@@ -103,7 +105,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     if device.type == "cuda" and ranks.active:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     torch.manual_seed(0)
-    streamed, skeleton = choose_source(recipe, device, report, int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
+    streamed, mem_plan = choose_source(recipe, device, report, int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
     tokenizer = streamed.tokenizer if streamed else load_tokenizer(recipe.model)
     calib = None
     if recipe.needs_calibration:
@@ -127,8 +129,9 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
                        "calibration": calib.sha256, "device": device.type, "versions": versions,
                        "processes": ranks.world})
         checkpoints = BlockCheckpoints(out_root, key, ranks)
-        if not resume:
+        if not resume and ranks.rank == 0:
             checkpoints.clear()
+        ranks.barrier()  # no rank saves before an old run's checkpoints are gone
     dtype = torch_dtype(recipe.export.dtype, streamed.dtype if streamed else model.dtype)
     shard_bytes = parse_size(recipe.export.max_shard_size)
     with ExitStack() as writers:
@@ -170,12 +173,12 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     report.info("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.timings.items()) + f"; total {total:.1f} s")
     peak = peak_rss_bytes()
     report.info(f"peak host memory {fmt_bytes(peak)}, {fmt_bytes(peak - rss_start)} above the start "
-                f"(plan {fmt_bytes(skeleton.host_total)})")
+                f"(plan {fmt_bytes(mem_plan.host_total)})")
     return {
         "outputs": {fmt: str(d) for fmt, d in dests.items()},
         "load": "stream" if streamed is not None else "memory",
         "timings_s": dict(report.timings) | {"total": round(total, 3)},
-        "memory": {"plan": skeleton.as_dict(), "rss_start": rss_start, "rss_peak": peak},
+        "memory": {"plan": mem_plan.as_dict(), "rss_start": rss_start, "rss_peak": peak},
         "quantized_modules": len(result.losses),
         "loss_total": sum(v for v in result.losses.values() if v == v),
         "calibration_sha256": None if calib is None else calib.sha256,
