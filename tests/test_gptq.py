@@ -80,6 +80,8 @@ def test_hessian_of_windows_is_bit_identical_however_they_are_shared():
         assert torch.equal((total * (2.0 / 1600)).float(), one.value())
     fp32 = sum((w.T @ w for w in windows[1::2]), torch.zeros(128, 128)) + sum(w.T @ w for w in windows[0::2])
     assert not torch.equal(fp32 * (2.0 / 1600), one.value())  # in fp32 the order would show
+    assert torch.equal(one.value(), one.take())  # the same value, the sum consumed
+    assert one.sum is None
 
 
 def test_act_order_keeps_groups_contiguous_and_ranks_by_diagonal():

@@ -43,6 +43,11 @@ class Hessian:
     def value(self) -> torch.Tensor:
         return (self.sum * (2.0 / max(self.count, 1))).float()
 
+    def take(self) -> torch.Tensor:
+        """value(), scaling the sum in place and dropping it: no second fp64 in x in matrix at the peak."""
+        total, self.sum = self.sum, None
+        return total.mul_(2.0 / max(self.count, 1)).float()
+
 
 def act_order_permutation(diag: torch.Tensor, span: int) -> torch.Tensor:
     """Columns with the largest Hessian diagonal first, keeping each quantization group contiguous

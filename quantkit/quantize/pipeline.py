@@ -331,7 +331,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     def solve(name: str):
         if shared["solver"] is None:
             try:  # the Hessian's sum goes as its factors are made: one in x in matrix less at the peak
-                shared["solver"] = GPTQ(shared.pop("h").value(), spec, args.damp, args.block_size, args.act_order,
+                shared["solver"] = GPTQ(shared.pop("h").take(), spec, args.damp, args.block_size, args.act_order,
                                         warn=lambda m: report.warn(f"{name}: {m}"))
             except NotPositiveDefinite as err:
                 raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
