@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import QuantkitError
+from ..errors import QuantkitError, first_line
 
 FOLDER = ".quantkit-ranks"  # under export.output: each rank's pid, and the error of a rank that failed
 
@@ -88,8 +88,7 @@ class Ranks:
                 if r != self.rank and pid.is_file() and not alive(int(pid.read_text())):
                     return (f"rank {r}: died (process {pid.read_text().strip()} is gone); "
                             "run the same command again to resume")
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"rank {self.rank}: lost contact with the other ranks ({first})"
+        return f"rank {self.rank}: lost contact with the other ranks ({first_line(err)})"
 
     def record_failure(self, message: str) -> str:
         """This rank's error, for the others to report; returns it prefixed with the rank (under several)."""

@@ -122,7 +122,7 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     if recipe.needs_calibration:  # RTN alone reads no data
         c = recipe.calibration
         tokens = c.num_samples * c.seq_len
-        elt = torch.finfo(_dtype(model)).bits // 8
+        elt = _elt(model)
         hidden = cfg.hidden_size
         inter = max((m.out_features for m in targets.values()), default=hidden)
         heads = getattr(cfg, "num_attention_heads", 1)

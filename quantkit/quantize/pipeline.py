@@ -54,11 +54,11 @@ class QuantResult:
 
 
 def plan(
-    model: nn.Module, stage: Stage, formats: list[str], index: int = 0
+    model: nn.Module, stage: Stage, formats: list[str], transforms: Sequence[Stage] = ()
 ) -> tuple[str, dict[str, nn.Linear], QuantInfo]:
     """Which Linear layers get quantized, checked against the grid and the formats before any work.
-    index: the stage's position in the recipe, for error messages."""
-    args, path = stage.args, f"stages.{index}.{stage.name}"
+    transforms: the stages before the weight stage (its position in error messages, the method's name)."""
+    args, path = stage.args, f"stages.{len(transforms)}.{stage.name}"
     spec = GridSpec(args.bits, args.group_size, args.sym)
     prefix, blocks = decoder_blocks(model)
     check_supported(model, blocks)
@@ -91,7 +91,7 @@ def plan(
                     )
     unquantized = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in targets)
     info = QuantInfo(
-        method=stage.name,
+        method="+".join(s.name for s in [*transforms, stage]),
         spec=spec,
         act_order=getattr(args, "act_order", False),
         damp=getattr(args, "damp", None),
@@ -182,8 +182,7 @@ def quantize(
     weights come from and where a finished block goes (None: `model` is in memory); ranks: the processes sharing
     the calibration (a single one by default)."""
     source = source or InMemory()
-    prefix, targets, info = plan(model, stage, formats, len(transforms))
-    info.method = "+".join(s.name for s in [*transforms, stage])
+    prefix, targets, info = plan(model, stage, formats, transforms)
     # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
     own = [stage] if stage.name in transform_passes.PASSES else []
     passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1])

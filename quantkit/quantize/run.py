@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import QuantkitError
 from ..bench.monitor import peak_rss_bytes, reset_peak_rss, rss_bytes
+from ..errors import QuantkitError
 from ..export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, ArtifactWriter, write_artifact
 from ..model import (decoder_blocks, load_config, load_model, load_tokenizer, meta_model, model_fingerprint,
                      pick_device, resolve_model_path, torch_dtype)
@@ -46,7 +46,7 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     streamed = Streamed(folder, recipe.dtype) if local and wanted else None
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
     _, blocks = decoder_blocks(skeleton)
-    targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, len(recipe.transforms))[1]
+    targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)[1]
     host_free = host_available() // local_ranks
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     in_memory = memory.plan(skeleton, blocks, targets, recipe, False, device)
@@ -136,8 +136,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     shard_bytes = parse_size(recipe.export.max_shard_size)
     with ExitStack() as writers:
         if streamed is not None and ranks.rank == 0:  # every format is filled as blocks finish
-            info = pipeline.plan(model, recipe.stage, recipe.export.formats, len(recipe.transforms))[2]
-            info.method = "+".join(s.name for s in recipe.stages)
+            info = pipeline.plan(model, recipe.stage, recipe.export.formats, recipe.transforms)[2]
             streamed.writers = {fmt: writers.enter_context(ArtifactWriter(dest, fmt, info, dtype, shard_bytes,
                                                                           overwrite or unfinished))
                                 for fmt, dest in dests.items()}

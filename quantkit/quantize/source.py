@@ -113,6 +113,11 @@ class Streamed:
         self.generation_config = GenerationConfig.from_pretrained(folder) if gen.is_file() else None
         self.prefix, self.blocks = decoder_blocks(self.model)
         self.keys = stored_keys(self.model)  # computed once: loading and releasing replace Parameters
+        self._position = {k: n for n, k in enumerate(self.keys)}
+        self._by_block: dict[int, list[str]] = {}
+        for k in self.keys:
+            if k.startswith(f"{self.prefix}."):
+                self._by_block.setdefault(int(k[len(self.prefix) + 1:].split(".", 1)[0]), []).append(k)
 
         # checkpoint key -> the model key it loads into, as transformers renames it
         self.mapping = get_model_conversion_mapping(self.model)
@@ -134,7 +139,7 @@ class Streamed:
         self._next = 0  # position in self.keys of the next tensor the writers need
 
     def block_keys(self, i: int) -> list[str]:
-        return [k for k in self.keys if k.startswith(f"{self.prefix}.{i}.")]
+        return self._by_block[i]
 
     # -- materialise and release --
     def _load(self, keys: list[str], device: torch.device | str) -> None:
@@ -190,7 +195,7 @@ class Streamed:
         if self.writers:
             block.to("cpu")
             state = {f"{self.prefix}.{i}.{k}": v for k, v in block.state_dict().items()}
-            self._emit_until(max(self.keys.index(k) for k in state) + 1, state, qweights)
+            self._emit_until(max(self._position[k] for k in state) + 1, state, qweights)
         self._release(block)
         for name in [n for n in qweights if n.startswith(f"{self.prefix}.{i}.")]:
             del qweights[name]  # written: the codes need not stay in memory
@@ -207,7 +212,7 @@ class Streamed:
 
     def _emit_before(self, i: int) -> None:
         """What is stored before block i (the embeddings) is written and freed before the block is materialised."""
-        self._emit_until(self.keys.index(self.block_keys(i)[0]), {}, {})
+        self._emit_until(self._position[self.block_keys(i)[0]], {}, {})
 
     def _emit_until(self, end: int, state: dict, qweights: dict) -> None:
         if not self.writers:  # a rank other than 0 under several processes: rank 0 writes
