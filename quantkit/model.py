@@ -150,10 +150,12 @@ def load_config(spec: str, dtype: str = "auto"):
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The longest ModuleList of identical blocks that contain Linear layers (Llama/Qwen `model.layers`,
-    OPT `model.decoder.layers`, ...)."""
+    OPT `model.decoder.layers`, ...); a block's experts (moe.Experts) are not blocks."""
+    from .moe import Experts
+
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
+        if isinstance(module, nn.ModuleList) and not isinstance(module, Experts) and len(module) > 0:
             kinds = {type(m) for m in module}
             has_linear = any(isinstance(m, nn.Linear) for m in module[0].modules())
             if len(kinds) == 1 and has_linear and (best is None or len(module) > len(best[1])):
@@ -164,13 +166,15 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def check_supported(model: nn.Module, blocks: nn.ModuleList) -> None:
+    """Expert weights must be per-expert Linears by now (`moe.unfuse`); any other 3-D weight cannot be quantized."""
     for name, module in blocks[0].named_modules():
-        cls = type(module).__name__.lower()
-        if "moe" in cls or "expert" in cls or name.endswith("experts"):
-            raise QuantkitError(
-                f"model: {type(model).__name__} has mixture-of-experts layers ({type(module).__name__}); "
-                "quantkit does not quantize MoE models yet"
-            )
+        fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        if fused:
+            raise QuantkitError(f"model: {type(model).__name__} keeps 3-D weights in {name}.{fused[0]} "
+                                f"({type(module).__name__}); quantkit quantizes experts it has unfused (moe.unfuse)")
+
+
+ROUTERS = ("gate", "router", "shared_expert_gate")  # MoE routing Linears: left in float, as every peer does
 
 
 def block_linears(block: nn.Module) -> dict[str, nn.Linear]:

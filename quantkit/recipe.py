@@ -44,6 +44,16 @@ class Calibration(_Strict):
     seed: int = 0
 
 
+class MoE(_Strict):
+    """Mixture-of-experts calibration (ignored by dense models)."""
+
+    # every calibration token also runs through every expert, so each expert's statistics are full; the block's
+    # output still comes from the routed experts only
+    calibrate_all_experts: bool = True
+    # routed-only calibration: an expert that received fewer tokens is rounded with RTN instead of GPTQ, with a warning
+    min_tokens: int = Field(16, ge=1)
+
+
 class Activations(_Strict):
     """W8A8: inputs of the quantized Linears quantized per token at run time (vLLM's dynamic schemes)."""
 
@@ -211,6 +221,7 @@ class Recipe(_Strict):
     # auto: stream when the whole model would take over half the free host memory
     load: Literal["auto", "memory", "stream"] = "auto"
     calibration: Calibration | None = None
+    moe: MoE = MoE()
     stages: list[Stage] = Field(min_length=1)
     export: Export
     release: Release = Release()

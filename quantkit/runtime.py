@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from . import moe
 from .errors import QuantkitError
 from .export import awq, compressed_tensors, gptq
 from .export.base import Fp8Weight, QuantizedWeight, split_by_module
@@ -92,7 +93,10 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     config = AutoConfig.for_model(**raw)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=want)
+    ours = moe.prepare(model).inverse()  # per-expert Linears; the artifact keeps the original checkpoint's names
     state, qweights = quantized_state_dict(folder, fmt, qcfg, want)
+    state = {ours(k): v for k, v in state.items()}
+    qweights = {ours.module(k): v for k, v in qweights.items()}
     w8a8 = fmt == "compressed-tensors" and compressed_tensors.format_of(qcfg) in W8A8_FORMATS
     if w8a8:  # the quantized weights go into W8A8 layers below, not into the float Linears
         kept = qweights

@@ -205,11 +205,16 @@ def test_too_short_calibration_text_and_existing_output(tiny_llama, tmp_path, mo
     assert "already exists (pass --overwrite to replace it)" in capsys.readouterr().err
 
 
-def test_moe_models_get_a_clear_error(tmp_path):
+def test_fused_experts_are_refused_until_unfused_and_odd_layouts_name_their_class(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit import moe
 
     cfg = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
     model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(QuantkitError, match="mixture-of-experts"):
+    with pytest.raises(QuantkitError, match="keeps 3-D weights in mlp.experts.gate_up_proj"):
         pipeline.plan(model, recipe_for(tmp_path).stage, ["gptq"])
+    model.model.layers[0].mlp.experts.is_transposed = True  # gpt-oss style [in, out] experts
+    with pytest.raises(QuantkitError, match="MixtralExperts stores its experts with is_transposed"):
+        moe.unfuse(model)

@@ -101,13 +101,23 @@ def test_opt_mappings_and_an_unsmoothable_architecture_is_refused_up_front():
     mappings, _ = norm_mappings(decoder_blocks(opt)[1][0])
     assert [(m.prev_name, m.names) for m in mappings] == [
         ("self_attn_layer_norm", SMOOTHED[:3]), ("final_layer_norm", ["fc1"])]
-    # Gemma's RMSNorm computes (1 + weight) * x: dividing its weight by s does not divide its output by s
-    cfg = AutoConfig.for_model("gemma", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    gemma = AutoModelForCausalLM.from_config(cfg)
+    # a norm class quantkit does not know may not compute weight * normalize(x): never folded into
+    class ScaledTanhNorm(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(n))
+
+        def forward(self, x):
+            return torch.tanh(x) * self.weight
+
+    cfg = AutoConfig.for_model("llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2)
+    odd = AutoModelForCausalLM.from_config(cfg)
+    layer = odd.model.layers[0]
+    layer.input_layernorm, layer.post_attention_layernorm = ScaledTanhNorm(32), ScaledTanhNorm(32)
     with pytest.raises(QuantkitError, match=r"^stages.0.smoothquant: no norm -> Linear pair to smooth in "
-                                            r"GemmaDecoderLayer \(.*GemmaRMSNorm is not known to compute weight"):
-        transforms.SmoothQuantPass(SmoothQuant(), "stages.0.smoothquant", "model.layers", decoder_blocks(gemma)[1])
+                                            r"LlamaDecoderLayer \(.*ScaledTanhNorm is not known to compute weight"):
+        transforms.SmoothQuantPass(SmoothQuant(), "stages.0.smoothquant", "model.layers", decoder_blocks(odd)[1])
 
 
 # ------------------------------------------------------------------------------------------- folding

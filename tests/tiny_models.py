@@ -1,4 +1,4 @@
-"""Tiny random causal LMs (Llama, Mistral, Qwen2, Qwen3, OPT) with a small BPE tokenizer trained on the
+"""Tiny random causal LMs of every supported family (dense and mixture-of-experts) with a small BPE tokenizer trained on the
 bundled WikiText-2 validation text, saved as ordinary HF folders for fast end-to-end tests."""
 
 from __future__ import annotations
@@ -24,6 +24,28 @@ def tiny_tokenizer(vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILY_EXTRA = {  # per model_type, on top of the common tiny shape; MoE models get 8 experts, top-2
+    "llama": {}, "mistral": {}, "qwen2": {},
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(MOE, num_experts=8, head_dim=16),
+    "qwen2_moe": dict(MOE, num_experts=8, shared_expert_intermediate_size=64),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # MLA attention (low-rank q / kv with their norms), one dense layer first, shared experts
+    "deepseek_v3": dict(MOE, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                        topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, head_dim=8),
+    "gemma2": dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16),
+    "gemma3_text": dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16),
+    "phi3": dict(pad_token_id=0),
+    "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                    logits_scaling=2.0),
+    "olmo2": {},
+}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
+
+
 def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2):
     from transformers import AutoConfig
 
@@ -34,9 +56,10 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2):
                                     num_attention_heads=4, ffn_dim=2 * hidden, word_embed_proj_dim=hidden,
                                     max_position_embeddings=512)
     extra = dict(intermediate_size=2 * hidden, num_key_value_heads=2, tie_word_embeddings=True)
-    if arch == "qwen3":
-        extra["head_dim"] = hidden // 4
-    return AutoConfig.for_model(arch, **common, **extra)
+    extra |= FAMILY_EXTRA[arch]
+    config = AutoConfig.for_model(arch, **common, **extra)
+    config._experts_implementation = "eager"  # the reference loop quantkit's per-expert Linears reproduce exactly
+    return config
 
 
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **kw) -> Path:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -121,8 +122,12 @@ class ArtifactWriter:
     permissions) becomes one line naming the destination."""
 
     def __init__(self, dest: Path, fmt: str, info: QuantInfo, dtype: torch.dtype, max_shard_bytes: int,
-                 overwrite: bool = False):
-        self.dest, self.fmt, self.info, self.dtype = Path(dest), fmt, info, dtype
+                 overwrite: bool = False, names=None):
+        """names: model key -> the original checkpoint's key (moe.CheckpointNames; None: the model's own names)."""
+        self.names = names or (lambda key: key)
+        self.dest, self.fmt, self.dtype = Path(dest), fmt, dtype
+        self.info = info if names is None else replace(
+            info, unquantized_linears=[names.module(n) for n in info.unquantized_linears])
         if self.dest.exists() and not overwrite:
             raise QuantkitError(f"export.output: {self.dest} already exists (pass --overwrite to replace it)")
         self.tmp = self.dest.parent / f".{self.dest.name}.partial-{os.getpid()}"
@@ -146,9 +151,9 @@ class ArtifactWriter:
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and module in qweights:
             for key, packed in encode(self.fmt, {module: qweights[module]}, self.info, self.dtype).tensors.items():
-                self.shards.add(key, packed)
+                self.shards.add(self.names(key), packed)
         else:
-            self.shards.add(name, (t.to(self.dtype) if t.is_floating_point() else t).contiguous().clone())
+            self.shards.add(self.names(name), (t.to(self.dtype) if t.is_floating_point() else t).contiguous().clone())
 
     def finish(self, config, tokenizer, generation_config, manifest: dict) -> Path:
         """config: the model's PretrainedConfig; writes config.json with the format's quantization_config."""
@@ -185,9 +190,10 @@ def write_artifact(
     max_shard_bytes: int,
     manifest: dict,
     overwrite: bool = False,
+    names=None,
 ) -> Path:
     """The in-memory path: the whole quantized model written at once."""
-    with ArtifactWriter(dest, fmt, info, dtype, max_shard_bytes, overwrite) as writer:
+    with ArtifactWriter(dest, fmt, info, dtype, max_shard_bytes, overwrite, names) as writer:
         state = model.state_dict()
         for name in stored_keys(model):
             writer.add(name, state[name], qweights)

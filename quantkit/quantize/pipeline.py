@@ -35,9 +35,10 @@ from ..algorithms.rtn import rtn_quantize
 from ..errors import QuantkitError
 from ..export.base import QuantInfo
 from ..kernels.w8a8 import fake_quantize_tokens
-from ..model import block_linears, check_supported, decoder_blocks, matches
+from .. import moe
+from ..model import ROUTERS, block_linears, check_supported, decoder_blocks, matches
 from ..progress import Reporter, fmt_eta
-from ..recipe import Stage, WeightQuant
+from ..recipe import MoE, Stage, WeightQuant
 from . import transforms as transform_passes
 from .calibration import CalibrationSet
 from .checkpoint import BlockCheckpoints
@@ -50,6 +51,7 @@ class QuantResult:
     qweights: dict[str, QuantizedWeight | Fp8Weight]
     info: QuantInfo
     losses: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens each GPTQ Hessian summed
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -62,8 +64,9 @@ def plan(
     spec = GridSpec(args.bits, args.group_size, args.sym)
     prefix, blocks = decoder_blocks(model)
     check_supported(model, blocks)
-    in_blocks = {
+    in_blocks = {  # MoE routers stay float
         f"{prefix}.{i}.{name}": m for i, block in enumerate(blocks) for name, m in block_linears(block).items()
+        if name.rpartition(".")[2] not in ROUTERS
     }
     targets = {n: m for n, m in in_blocks.items() if not matches(n, args.ignore)}
     if not targets:
@@ -89,7 +92,10 @@ def plan(
                         f"export.formats: {fmt} cannot pack {args.bits}-bit {name} ({dim}={size} is not a "
                         f"multiple of {32 // math.gcd(32, args.bits)})"
                     )
-    unquantized = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in targets)
+    # float Linears, and MoE routers (some are not nn.Linear) so that no loader quantizes them
+    unquantized = sorted(n for n, m in model.named_modules() if n not in targets and (
+        isinstance(m, nn.Linear) or (n.rpartition(".")[2] in ROUTERS and getattr(m, "weight", None) is not None
+                                     and m.weight.dim() == 2)))
     info = QuantInfo(
         method="+".join(s.name for s in [*transforms, stage]),
         spec=spec,
@@ -176,16 +182,20 @@ def quantize(
     checkpoints: BlockCheckpoints | None = None,
     source: "InMemory | Streamed | None" = None,
     ranks: Ranks = Ranks(),
+    moe_args: MoE = MoE(),
 ) -> QuantResult:
     """stage: the weight stage; transforms: the transform stages before it, in recipe order; checkpoints: where
     the layer-wise run saves each finished block and resumes from (None: no checkpoints); source: where each block's
     weights come from and where a finished block goes (None: `model` is in memory); ranks: the processes sharing
-    the calibration (a single one by default)."""
+    the calibration (a single one by default); moe_args: how experts are calibrated."""
     source = source or InMemory()
     prefix, targets, info = plan(model, stage, formats, transforms)
     # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
     own = [stage] if stage.name in transform_passes.PASSES else []
     passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1])
+    if ranks.active and not moe_args.calibrate_all_experts and moe.experts_of(model):
+        raise QuantkitError("moe.calibrate_all_experts: false routes different tokens to each process's experts; "
+                            "calibration over several processes needs true")
     if ranks.active and passes:
         kind = [*transforms, *own][0].name
         raise QuantkitError(f"stages.0.{kind}: calibration over several processes runs gptq and rtn stages only; "
@@ -204,7 +214,8 @@ def quantize(
                 source.done(i, block, result.qweights)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
-        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source, ranks)
+        _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source, ranks,
+                   moe_args)
     for p in passes:
         report.info(p.summary())
     result.timings = dict(report.timings)
@@ -215,7 +226,8 @@ PASS_COUNTERS = ("ratios", "clipped", "smoothed")  # what each pass's summary() 
 
 
 def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter,
-               checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks) -> None:
+               checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks,
+               moe_args: MoE) -> None:
     _, blocks = decoder_blocks(model)
     tokens = ranks.share(calib.tokens)
     if tokens.shape[0] == 0:
@@ -250,9 +262,11 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         source.load(i, block, device)
         names = {m: n for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
         call_args, call_kwargs = to_device(calls[i], device)
+        experts = [e for _, e in moe.experts_of(block)]
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
+            # calibration forwards only: AWQ's scale search re-runs modules for their output alone
+            with torch.no_grad(), moe.calibrating(experts, moe_args.calibrate_all_experts):
                 out = block(x, *call_args, **call_kwargs)
             return out[0] if isinstance(out, tuple) else out
 
@@ -275,7 +289,8 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         handles, inline_warnings = inline.inline(i, block) if inline else ([], list)
         try:
             if stage.name == "gptq":
-                hidden = _gptq_block(run, hidden, names, stage.args, result, report, ranks, groups, f"{prefix}.{i}.")
+                hidden = _gptq_block(run, hidden, names, stage.args, result, report, ranks, groups, f"{prefix}.{i}.",
+                                     moe_args)
             else:
                 hidden = _rtn_block(run, hidden, names, stage.args, result, report)
         finally:
@@ -319,9 +334,11 @@ def _rtn_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, resu
 
 
 def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
-                report: Reporter, ranks: Ranks, groups: dict[str, tuple[str, ...]], block: str) -> torch.Tensor:
+                report: Reporter, ranks: Ranks, groups: dict[str, tuple[str, ...]], block: str,
+                moe_args: MoE = MoE()) -> torch.Tensor:
     """groups: Linears that read one input, by name inside the block; learned here in block 0 and used by later
-    blocks to solve a whole group (q/k/v, gate/up) at its first call, spread over the ranks."""
+    blocks to solve a whole group (q/k/v, an expert's gate/up) at its first call, spread over the ranks. An expert
+    Linear whose Hessian saw fewer than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
     spec, act = result.info.spec, result.info.activations
     by_name = {n: m for m, n in names.items()}
     shared: dict = {"x": None, "xq": None, "h": None, "solver": None}
@@ -338,11 +355,13 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
 
     def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
         name, x = names[module], inputs[0]
+        if moe.replaying(module):  # an expert's routed call: its tokens were all counted in the first call
+            return None if act is None else (fake_quantize_tokens(x, act), *inputs[1:])
         if shared["x"] is not x:  # q/k/v and gate/up read one tensor: one Hessian, one factorization
             _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
             # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
             xq = x if act is None else fake_quantize_tokens(x, act)
-            shared.update(x=x, xq=xq, h=None, solver=None)
+            shared.update(x=x, xq=xq, h=None, solver=None, rtn=None)
             seen.append([])
         seen[-1].append(name.removeprefix(block))
         if name not in result.qweights:  # a Linear called twice in one forward is quantized once
@@ -353,7 +372,15 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                     if ranks.active:  # the sums and token counts of every rank's share
                         ranks.all_reduce(h.sum)
                         h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
-                    shared["h"] = h
+                    shared["h"], shared["count"] = h, h.count
+                    if h.count < moe_args.min_tokens and ".experts." in name:
+                        shared.update(h=None, rtn=h.count)
+                if shared.get("rtn") is not None:  # too few routed tokens for a Hessian worth solving
+                    report.warn(f"{name}: only {shared['rtn']} calibration tokens routed to this expert "
+                                f"(moe.min_tokens {moe_args.min_tokens}); quantized with RTN")
+                    result.qweights[name], result.losses[name] = _rtn(module, args, spec)
+                    result.tokens[name] = shared["rtn"]
+                    return None if act is None else (shared["xq"], *inputs[1:])
                 todo = [name] + [block + m for m in groups.get(name.removeprefix(block), ())
                                  if block + m != name and block + m in by_name and block + m not in result.qweights]
                 owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in todo})
@@ -363,6 +390,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                     target = by_name[n]
                     target.weight.data = qw.dequantize(target.weight.dtype).to(target.weight.device)
                     result.qweights[n], result.losses[n] = qw, loss
+                    result.tokens[n] = shared["count"]
         return None if act is None else (shared["xq"], *inputs[1:])
 
     handles = [m.register_forward_pre_hook(pre_hook) for m in names]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .. import moe
 from ..bench.monitor import peak_rss_bytes, reset_peak_rss, rss_bytes
 from ..errors import QuantkitError
 from ..export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, ArtifactWriter, write_artifact
@@ -45,6 +46,11 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     wanted = recipe.load == "stream" or (recipe.load == "auto" and safetensors)  # auto: .bin folders load whole
     streamed = Streamed(folder, recipe.dtype) if local and wanted else None
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
+    if any(moe._fused(m) for m in skeleton.modules()):
+        if recipe.load == "stream":
+            raise QuantkitError("load: stream does not read mixture-of-experts checkpoints yet; use load: memory")
+        streamed = None  # auto: experts are unfused from the whole model
+        moe.unfuse(skeleton)
     _, blocks = decoder_blocks(skeleton)
     targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)[1]
     host_free = host_available() // local_ranks
@@ -118,9 +124,13 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
         with report.timed("load"):
             loaded = load_model(recipe.model, recipe.dtype, tokenizer)
         model, source = loaded.model, InMemory()
+        names = moe.prepare(model)
+        if moe.experts_of(model):
+            report.info(f"moe: {len(moe.experts_of(model))} blocks of {len(moe.experts_of(model)[0][1])} experts as "
+                        f"per-expert Linears (calibrate_all_experts {str(recipe.moe.calibrate_all_experts).lower()})")
         report.info(f"loaded {recipe.model} ({type(model).__name__}, {model.dtype}) in {report.timings['load']:.1f} s")
     else:
-        model, source = streamed.model, streamed
+        model, source, names = streamed.model, streamed, None
         report.info(f"streaming {recipe.model} ({type(model).__name__}, {streamed.dtype}) block by block")
     versions = package_versions()
     checkpoints = None
@@ -142,7 +152,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
                                 for fmt, dest in dests.items()}
         with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
             result = pipeline.quantize(model, recipe.stage, calib, device, recipe.export.formats, report,
-                                       recipe.transforms, checkpoints, source, ranks)
+                                       recipe.transforms, checkpoints, source, ranks, recipe.moe)
         manifest = {
             "quantkit_version": versions["quantkit"],
             "recipe": recipe.model_dump(mode="json"),
@@ -163,7 +173,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
         for fmt, dest in dests.items() if streamed is None and ranks.rank == 0 else ():
             with report.timed(f"export:{fmt}"):
                 write_artifact(dest, fmt, model, tokenizer, result.qweights, result.info, dtype, shard_bytes,
-                               manifest, overwrite or unfinished)
+                               manifest, overwrite or unfinished, names)
             report.info(f"wrote {dest} in {report.timings[f'export:{fmt}']:.1f} s")
     if checkpoints is not None and ranks.rank == 0:
         checkpoints.clear()  # every artifact is complete: nothing left to resume

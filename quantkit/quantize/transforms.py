@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .. import moe
 from ..algorithms import awq
 from ..algorithms.grid import GridSpec
 from ..algorithms.smoothing import Mapping, find_mappings, fold
@@ -68,13 +69,15 @@ class SmoothQuantPass:
     def observe(self, i: int, block: nn.Module) -> list:
         def hook(key: tuple[int, int]):
             def pre_hook(module: nn.Module, inputs: tuple) -> None:
+                if moe.replaying(module):
+                    return
                 x = channel_absmax(inputs[0])
                 self.absmax[key] = x if key not in self.absmax else torch.maximum(self.absmax[key], x)
 
             return pre_hook
 
-        # the first Linear of a mapping reads exactly the norm's output
-        return [m.linears[0].register_forward_pre_hook(hook((i, k))) for k, m in enumerate(self.mappings[i])]
+        # the first Linear of a mapping (an MoE MLP's router) reads exactly the norm's output, on every token
+        return [m.observe.register_forward_pre_hook(hook((i, k))) for k, m in enumerate(self.mappings[i])]
 
     def apply(self, i: int, block: nn.Module) -> list[str]:
         """Folds the scales; returns a warning for each mapping the calibration data never reached."""
@@ -205,6 +208,8 @@ class AwqPass:
 
         def keep_input(name: str):
             def pre_hook(module: nn.Module, inputs: tuple) -> None:
+                if moe.replaying(module):  # an expert's routed tokens, already seen with all the others
+                    return
                 x = _subsample(inputs[0], CLIP_TOKENS)
                 old = self.inputs.get((i, name))
                 self.inputs[(i, name)] = x if old is None else _subsample(torch.cat([old, x]), CLIP_TOKENS)
@@ -213,6 +218,8 @@ class AwqPass:
 
         def statistics(key: tuple[int, int], gram: bool):
             def pre_hook(module: nn.Module, inputs: tuple) -> None:
+                if moe.replaying(module):
+                    return
                 x = inputs[0].detach()
                 st = self.stats.setdefault(key, {"sum": 0, "count": 0})
                 n = x.numel() // x.shape[-1]
@@ -248,7 +255,7 @@ class AwqPass:
             handles.append(lin.register_forward_pre_hook(keep_input(name)))
         for k, m in enumerate(self.mappings[i]):
             single = len(m.linears) == 1 and m.inspect is m.linears[0]
-            handles.append(m.linears[0].register_forward_pre_hook(statistics((i, k), single)))
+            handles.append(m.observe.register_forward_pre_hook(statistics((i, k), single)))
             if not single:
                 handles.append(m.inspect.register_forward_pre_hook(call((i, k)), with_kwargs=True))
         return handles
