@@ -13,6 +13,9 @@ from torch import nn
 
 from .errors import QuantkitError
 
+# tested end to end (tests/test_families.py); other architectures whose blocks hold nn.Linear layers also quantize
+SUPPORTED_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3, Granite, OLMo 2, OPT; MoE: Qwen3-MoE, "
+                      "Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -161,7 +164,8 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             if len(kinds) == 1 and has_linear and (best is None or len(module) > len(best[1])):
                 best = (name, module)
     if best is None:
-        raise QuantkitError(f"model: no decoder blocks found in {type(model).__name__} (unsupported architecture)")
+        raise QuantkitError(f"model: no decoder blocks of nn.Linear layers in {type(model).__name__} (unsupported "
+                            f"architecture; supported: {SUPPORTED_FAMILIES})")
     return best
 
 
@@ -171,7 +175,8 @@ def check_supported(model: nn.Module, blocks: nn.ModuleList) -> None:
         fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
         if fused:
             raise QuantkitError(f"model: {type(model).__name__} keeps 3-D weights in {name}.{fused[0]} "
-                                f"({type(module).__name__}); quantkit quantizes experts it has unfused (moe.unfuse)")
+                                f"({type(module).__name__}); quantkit quantizes experts it has unfused (moe.unfuse); "
+                                f"supported: {SUPPORTED_FAMILIES}")
 
 
 ROUTERS = ("gate", "router", "shared_expert_gate")  # MoE routing Linears: left in float, as every peer does

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .errors import QuantkitError
+from .model import SUPPORTED_FAMILIES
 
 
 class Expert(nn.Module):
@@ -36,6 +37,14 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def observe(self, x: torch.Tensor) -> None:
+        """The statistics pass over every token: gate and up run, down_proj's pre-hooks (Hessians, AWQ statistics,
+        quantizing its weight) see its input, but its matmul is skipped: that output would be thrown away."""
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        with_kwargs = self.down_proj._forward_pre_hooks_with_kwargs
+        for key, hook in list(self.down_proj._forward_pre_hooks.items()):
+            hook(self.down_proj, (h,), {}) if key in with_kwargs else hook(self.down_proj, (h,))
 
 
 class Experts(nn.ModuleList):
@@ -54,7 +63,7 @@ class Experts(nn.ModuleList):
             pos, tok = torch.where((top_k_index == e).T)
             self.tokens[e] = int(tok.numel())
             if self.calibrate_all:
-                expert(hidden_states)  # statistics over every token; the output comes from the routed ones below
+                expert.observe(hidden_states)  # statistics over every token; the output comes from the routed ones
             if tok.numel() == 0:
                 continue
             with replay(expert, self.calibrate_all):
@@ -105,14 +114,16 @@ def unfuse(model: nn.Module) -> int:
     """Replaces every fused experts module of `model` by `Experts` holding the same weights (meta stays meta);
     returns how many were replaced. A layout other than transformers' default ([gate; up] concatenated, [out, in]
     per expert, no bias) fails with one line naming its class."""
-    found = [(name, m) for name, m in model.named_modules() if _fused(m)]
-    for name, fused in found:
+    found = [name for name, m in model.named_modules() if _fused(m)]  # names: each fused module goes when replaced
+    for name in found:
+        fused = model.get_submodule(name)
         cls = type(fused).__name__
         layout = {"is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True}
         odd = [k for k, want in layout.items() if getattr(fused, k, want) != want]
         if odd or not hasattr(fused, "act_fn"):
             raise QuantkitError(f"model: {cls} stores its experts with {', '.join(odd) or 'no act_fn'}; quantkit "
-                                "unfuses [gate; up] concatenated, untransposed, bias-free experts only")
+                                "unfuses [gate; up] concatenated, untransposed, bias-free experts only (supported: "
+                                f"{SUPPORTED_FAMILIES})")
         gate_up, down = fused.gate_up_proj, fused.down_proj
         n, two_inter, hidden = gate_up.shape
         inter = two_inter // 2
@@ -129,7 +140,7 @@ def unfuse(model: nn.Module) -> int:
             experts.append(ex)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, Experts(experts))
-        del fused
+        del fused, gate_up, down
     return len(found)
 
 

@@ -66,7 +66,9 @@ def test_recipe_file_problems(tiny_llama, tmp_path, monkeypatch, capsys, write, 
 @pytest.mark.parametrize("arch, message", [
     # GPT-2's blocks hold Conv1D layers, not nn.Linear: no decoder blocks quantkit can quantize
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
-     "error: model: no decoder blocks found in GPT2LMHeadModel (unsupported architecture)"),
+     "error: model: no decoder blocks of nn.Linear layers in GPT2LMHeadModel (unsupported architecture; "
+     "supported: Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3, Granite, OLMo 2, OPT; MoE: Qwen3-MoE, Qwen2-MoE, "
+     "Mixtral, OLMoE, DeepSeek-V3)"),
     ({"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 4, "d_kv": 16},
      ("error: model: cannot load {model}: Unrecognized configuration class <class "
       "'transformers.models.t5.configuration_t5.T5Config'> for this kind of AutoModel: AutoModelForCausalLM.")),

@@ -72,6 +72,20 @@ def test_two_ranks_write_the_one_process_artifact(four_layers, tmp_path):
     assert (runs[1] / "model.safetensors").read_bytes() == (runs[2] / "model.safetensors").read_bytes()
 
 
+def test_two_ranks_calibrate_every_expert_of_an_moe_model(tiny_factory, tmp_path):
+    """calibrate_all_experts: every rank runs every expert on its windows, so each expert's Hessian is all-reduced
+    on every rank in the same order, whatever the router sends where."""
+    runs = {}
+    for nproc in (1, 2):
+        recipe = write_recipe(tmp_path / f"{nproc}.yaml", tiny_factory("qwen3_moe"), tmp_path / f"p{nproc}",
+                              "gptq: {bits: 4, group_size: 32, sym: true}", ("gptq",), samples=8)
+        run = quantkit("quantize", recipe, "--nproc", nproc)
+        assert run.returncode == 0, run.stderr
+        runs[nproc] = tmp_path / f"p{nproc}" / "gptq"
+    assert agreement(runs[1], runs[2]) == 1.0
+    assert (runs[1] / "model.safetensors").read_bytes() == (runs[2] / "model.safetensors").read_bytes()
+
+
 @pytest.mark.slow
 def test_two_ranks_on_smollm2_write_the_one_process_artifact(tmp_path):
     import importlib.util

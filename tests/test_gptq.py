@@ -111,3 +111,14 @@ def test_dead_inputs_get_zero_weight():
     h.add(x)
     qw, _ = GPTQ(h.value(), GridSpec(4, 32, False)).quantize(torch.randn(16, 128))
     assert torch.all(qw.dequantize()[:, 5] == 0)
+
+
+def test_quantize_many_is_each_weight_quantized_alone_bit_for_bit():
+    """Linears sharing a Hessian (q/k/v, every expert's gate/up) are solved in one pass over their stacked rows."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 256, generator=g)
+    solver = GPTQ(x.T @ x * 2 / 2048, GridSpec(4, 64, True), 0.01, 64, act_order=True)
+    weights = [torch.randn(rows, 256, generator=g) * 0.02 for rows in (64, 128, 32)]
+    for (one, loss), (many, many_loss) in zip([solver.quantize(w) for w in weights], solver.quantize_many(weights)):
+        assert torch.equal(one.codes, many.codes) and torch.equal(one.scale, many.scale)
+        assert torch.equal(one.zero, many.zero) and many_loss == pytest.approx(loss, rel=1e-5)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,7 +157,8 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.
 
 
 def _check_finite(hidden: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(hidden).all():
+    # an inf or NaN anywhere makes the fp32 sum non-finite; one reduction instead of a bool tensor the input's size
+    if not torch.isfinite(hidden.sum(dtype=torch.float32)):
         raise QuantkitError(
             f"calibration: non-finite activations {where} (fp16 overflow?); use dtype: bfloat16 or float32"
         )
@@ -244,7 +246,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
         + (f", {ranks.world} processes ({tokens.shape[0]} windows on rank {ranks.rank})" if ranks.active else "")
     )
-    groups: dict[str, tuple[str, ...]] = {}  # Linears (by name inside a block) that read one input, learned in block 0
+    groups: dict[str, tuple[str, ...]] = {}  # Linears (by name inside a block) that read one input, learned block by block
     first = 0
     if checkpoints is not None and checkpoints.state["done"] >= 0:
         hidden, losses, extra = checkpoints.restore(blocks, device, source.restore, result.qweights)
@@ -336,62 +338,82 @@ def _rtn_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, resu
 def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
                 report: Reporter, ranks: Ranks, groups: dict[str, tuple[str, ...]], block: str,
                 moe_args: MoE = MoE()) -> torch.Tensor:
-    """groups: Linears that read one input, by name inside the block; learned here in block 0 and used by later
-    blocks to solve a whole group (q/k/v, an expert's gate/up) at its first call, spread over the ranks. An expert
-    Linear whose Hessian saw fewer than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
+    """One Hessian and one factorization per input tensor: q/k/v and gate/up read one tensor, and so, when every
+    expert sees every token, does every expert's gate/up. The last two inputs are kept (an expert's gate/up input,
+    then its down_proj input, then the next expert's gate/up input again).
+    groups: Linears that read one input, by name inside the block; learned from the blocks before and used to solve a
+    whole group at its first call, in one GPTQ pass (spread over the ranks). An expert Linear whose Hessian saw fewer than
+    moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
     spec, act = result.info.spec, result.info.activations
     by_name = {n: m for m, n in names.items()}
-    shared: dict = {"x": None, "xq": None, "h": None, "solver": None}
+    inputs_seen: OrderedDict[int, dict] = OrderedDict()  # id(input) -> its entry
     seen: list[list[str]] = []
+    windows, window_len = hidden.shape[0], hidden.shape[1]
 
-    def solve(name: str):
-        if shared["solver"] is None:
+    def entry_for(x: torch.Tensor, name: str) -> dict:
+        st = inputs_seen.get(id(x))
+        if st is not None and st["x"] is x:
+            inputs_seen.move_to_end(id(x))
+            return st
+        _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
+        # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
+        xq = x if act is None else fake_quantize_tokens(x, act)
+        st = {"x": x, "xq": xq, "h": None, "solver": None, "rtn": None, "count": 0, "names": []}
+        seen.append(st["names"])
+        inputs_seen[id(x)] = st
+        if len(inputs_seen) > 2:
+            inputs_seen.popitem(last=False)
+        return st
+
+    def solve(st: dict, todo: list[str]) -> dict:
+        """GPTQ of the Linears in todo, which share st's Hessian: one factorization, one pass over their rows."""
+        if st["solver"] is None:
             try:  # the Hessian's sum goes as its factors are made: one in x in matrix less at the peak
-                shared["solver"] = GPTQ(shared.pop("h").take(), spec, args.damp, args.block_size, args.act_order,
-                                        warn=lambda m: report.warn(f"{name}: {m}"))
+                st["solver"] = GPTQ(st.pop("h").take(), spec, args.damp, args.block_size, args.act_order,
+                                    warn=lambda m: report.warn(f"{todo[0]}: {m}"))
             except NotPositiveDefinite as err:
-                raise QuantkitError(f"gptq: {name}: {err}; raise damp") from None
-        return shared["solver"].quantize(by_name[name].weight.data)
+                raise QuantkitError(f"gptq: {todo[0]}: {err}; raise damp") from None
+        if not todo:
+            return {}
+        return dict(zip(todo, st["solver"].quantize_many([by_name[n].weight.data for n in todo])))
 
     def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
         name, x = names[module], inputs[0]
         if moe.replaying(module):  # an expert's routed call: its tokens were all counted in the first call
             return None if act is None else (fake_quantize_tokens(x, act), *inputs[1:])
-        if shared["x"] is not x:  # q/k/v and gate/up read one tensor: one Hessian, one factorization
-            _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
-            # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
-            xq = x if act is None else fake_quantize_tokens(x, act)
-            shared.update(x=x, xq=xq, h=None, solver=None, rtn=None)
-            seen.append([])
-        seen[-1].append(name.removeprefix(block))
+        st = entry_for(x, name)
+        st["names"].append(name.removeprefix(block))
         if name not in result.qweights:  # a Linear called twice in one forward is quantized once
             with report.timed("hessian+gptq"):
-                if shared.get("h") is None and shared["solver"] is None:
+                if st.get("h") is None and st["solver"] is None:
                     h = Hessian(module.in_features, x.device)
-                    h.add(shared["xq"])
+                    xq = st["xq"]
+                    if xq.dim() == 2 and xq.shape[0] == windows * window_len:  # MoE MLPs flatten the tokens
+                        xq = xq.view(windows, window_len, -1)  # per window, as the Hessian sums them
+                    h.add(xq)
                     if ranks.active:  # the sums and token counts of every rank's share
                         ranks.all_reduce(h.sum)
                         h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
-                    shared["h"], shared["count"] = h, h.count
+                    st["h"], st["count"] = h, h.count
                     if h.count < moe_args.min_tokens and ".experts." in name:
-                        shared.update(h=None, rtn=h.count)
-                if shared.get("rtn") is not None:  # too few routed tokens for a Hessian worth solving
-                    report.warn(f"{name}: only {shared['rtn']} calibration tokens routed to this expert "
+                        st.update(h=None, rtn=h.count)
+                if st.get("rtn") is not None:  # too few routed tokens for a Hessian worth solving
+                    report.warn(f"{name}: only {st['rtn']} calibration tokens routed to this expert "
                                 f"(moe.min_tokens {moe_args.min_tokens}); quantized with RTN")
                     result.qweights[name], result.losses[name] = _rtn(module, args, spec)
-                    result.tokens[name] = shared["rtn"]
-                    return None if act is None else (shared["xq"], *inputs[1:])
+                    result.tokens[name] = st["rtn"]
+                    return None if act is None else (st["xq"], *inputs[1:])
                 todo = [name] + [block + m for m in groups.get(name.removeprefix(block), ())
                                  if block + m != name and block + m in by_name and block + m not in result.qweights]
                 owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in todo})
-                mine = {n: solve(n) for n in todo if owner[n] == ranks.rank}
+                mine = solve(st, [n for n in todo if owner[n] == ranks.rank])
                 for n in todo:  # single process: the one solve; several: each owner's result to every rank
                     qw, loss = ranks.broadcast(mine.get(n), owner[n])
                     target = by_name[n]
                     target.weight.data = qw.dequantize(target.weight.dtype).to(target.weight.device)
                     result.qweights[n], result.losses[n] = qw, loss
-                    result.tokens[n] = shared["count"]
-        return None if act is None else (shared["xq"], *inputs[1:])
+                    result.tokens[n] = st["count"]
+        return None if act is None else (st["xq"], *inputs[1:])
 
     handles = [m.register_forward_pre_hook(pre_hook) for m in names]
     try:
@@ -400,9 +422,9 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     finally:
         for handle in handles:
             handle.remove()
-        shared.clear()
-    if ranks.active and not groups:
-        groups.update({m: tuple(g) for g in seen for m in g})
+        inputs_seen.clear()
+    # what this block taught about which Linears read one input (a dense first block says nothing about experts)
+    groups.update({m: tuple(g) for g in seen for m in g if m not in groups})
     for module, name in names.items():  # never called during the forward: no data, fall back to RTN
         if name not in result.qweights:
             report.warn(f"{name} was not reached by calibration data; quantized with RTN")
