@@ -79,6 +79,31 @@ def test_streamed_and_in_memory_artifacts_are_byte_identical(checkpoints, tmp_pa
         assert ("lm_head.weight" in original) == (not tied)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_checkpoints_stream_each_expert_by_its_hub_name_byte_identically(tmp_path, monkeypatch, arch):
+    """A sharded per-expert checkpoint (Mixtral: block_sparse_moe.experts.E.w1 ...) streamed block by block writes
+    the in-memory run's bytes; each expert Linear is read by its checkpoint name."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok), layers=3), dtype=torch.float32)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt, max_shard_size="60KB")
+    tok.save_pretrained(ckpt)
+    assert len(list(ckpt.glob("model-*.safetensors"))) > 3
+    outs = {}
+    for load in ("memory", "stream"):
+        recipe = write_recipe(tmp_path / f"{load}.yaml", ckpt, tmp_path / load, STAGES["gptq"], FORMATS["gptq"],
+                              extra=", max_shard_size: 40KB", load=load)
+        assert run_cli(monkeypatch, "quantize", recipe, "--quiet", "--json", tmp_path / f"{load}.json") == 0
+        assert json.loads((tmp_path / f"{load}.json").read_text())["load"] == load
+        outs[load] = tmp_path / load
+    for fmt in FORMATS["gptq"]:
+        mem, stream = artifact_files(outs["memory"] / fmt), artifact_files(outs["stream"] / fmt)
+        assert mem.keys() == stream.keys() and all(mem[n] == stream[n] for n in mem), fmt
+
+
 def test_streamed_run_reads_only_one_block_at_a_time(checkpoints, tmp_path, monkeypatch):
     """Every block is materialised once, alone, and goes back to the meta device before the next one loads."""
     from quantkit.quantize import source

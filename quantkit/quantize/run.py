@@ -46,11 +46,7 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     wanted = recipe.load == "stream" or (recipe.load == "auto" and safetensors)  # auto: .bin folders load whole
     streamed = Streamed(folder, recipe.dtype) if local and wanted else None
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
-    if any(moe._fused(m) for m in skeleton.modules()):
-        if recipe.load == "stream":
-            raise QuantkitError("load: stream does not read mixture-of-experts checkpoints yet; use load: memory")
-        streamed = None  # auto: experts are unfused from the whole model
-        moe.unfuse(skeleton)
+    moe.unfuse(skeleton)  # what the pipeline will quantize (Streamed has unfused its own)
     _, blocks = decoder_blocks(skeleton)
     targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)[1]
     host_free = host_available() // local_ranks
@@ -130,7 +126,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
                         f"per-expert Linears (calibrate_all_experts {str(recipe.moe.calibrate_all_experts).lower()})")
         report.info(f"loaded {recipe.model} ({type(model).__name__}, {model.dtype}) in {report.timings['load']:.1f} s")
     else:
-        model, source, names = streamed.model, streamed, None
+        model, source, names = streamed.model, streamed, streamed.names
         report.info(f"streaming {recipe.model} ({type(model).__name__}, {streamed.dtype}) block by block")
     versions = package_versions()
     checkpoints = None
@@ -148,7 +144,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
         if streamed is not None and ranks.rank == 0:  # every format is filled as blocks finish
             info = pipeline.plan(model, recipe.stage, recipe.export.formats, recipe.transforms)[2]
             streamed.writers = {fmt: writers.enter_context(ArtifactWriter(dest, fmt, info, dtype, shard_bytes,
-                                                                          overwrite or unfinished))
+                                                                          overwrite or unfinished, names))
                                 for fmt, dest in dests.items()}
         with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
             result = pipeline.quantize(model, recipe.stage, calib, device, recipe.export.formats, report,

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import moe
 from ..errors import QuantkitError
 from ..export.artifact import INDEX_NAME, WEIGHTS_NAME, ArtifactWriter, stored_keys
 from ..model import decoder_blocks, load_config, load_tokenizer, meta_model
@@ -109,6 +110,10 @@ class Streamed:
         config, self.dtype = load_config(folder, dtype)
         self.tokenizer = load_tokenizer(folder)
         self.model = meta_model(folder, config, self.dtype)
+        # MoE: per-expert Linears, each read by its checkpoint name (the converters would fuse them again)
+        self.names = moe.prepare(self.model)
+        self._direct = {f"{name}.{k}" for name, experts in moe.experts_of(self.model)
+                        for k, _ in experts.named_parameters()}
         gen = self.folder / "generation_config.json"
         self.generation_config = GenerationConfig.from_pretrained(folder) if gen.is_file() else None
         self.prefix, self.blocks = decoder_blocks(self.model)
@@ -130,8 +135,10 @@ class Streamed:
             if target not in meta and key in meta:
                 target = key
             self.sources.setdefault(target, []).append(key)
+        for key in self._direct:
+            self.sources[key] = [self.names(key)] if self.names(key) in self.checkpoint.file_of else []
         params = {name for name, _ in self.model.named_parameters()}
-        missing = [k for k in self.keys if k not in self.sources and k in params]
+        missing = [k for k in self.keys if not self.sources.get(k) and k in params]
         if missing:
             raise QuantkitError(f"model: {self.folder} has no tensor for {missing[0]} (and {len(missing) - 1} more); "
                                 "is it a checkpoint of this config.json?")
@@ -147,7 +154,16 @@ class Streamed:
         from transformers.modeling_utils import LoadStateDictConfig
 
         config = LoadStateDictConfig(dtype=self.dtype, weight_mapping=self.mapping, device_map={"": str(device)})
+        direct = [k for k in keys if k in self._direct]
         with self.checkpoint.slices([ck for k in keys for ck in self.sources.get(k, [])]) as wanted:
+            for key in direct:  # an expert's Linear: its checkpoint tensor as is, cast as transformers casts
+                module, _, leaf = key.rpartition(".")
+                target = self.model.get_submodule(module)
+                t = wanted.pop(self.sources[key][0])[:]
+                if tuple(t.shape) != tuple(target._parameters[leaf].shape):
+                    raise QuantkitError(f"model: {self.folder}: tensor {self.sources[key][0]} has shape "
+                                        f"{tuple(t.shape)}, config.json implies {tuple(target._parameters[leaf].shape)}")
+                target._parameters[leaf] = nn.Parameter(t.to(device, self.dtype), requires_grad=False)
             info, _ = convert_and_load_state_dict_in_model(self.model, wanted, config)
         bad = sorted(info.mismatched_keys) or sorted(info.conversion_errors)
         if bad:
