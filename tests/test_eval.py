@@ -260,3 +260,20 @@ def test_report_table_and_plots(monkeypatch, tmp_path, tiny_llama, rtn_artifact)
     for png in ("kld_distribution.png", "quality_vs_size.png"):
         data = (tmp_path / "rep" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_greedy_generation_pads_a_batch_with_eos_when_the_tokenizer_has_no_pad_token(tiny_llama):
+    """Many base models ship no pad token; batched prompts of different lengths are left-padded with eos, and each
+    row's continuation equals that prompt's continuation generated alone."""
+    from quantkit.eval.generation import greedy
+    from quantkit.model import load_model
+    from quantkit.progress import Reporter
+
+    loaded = load_model(str(tiny_llama), "float32")
+    tok = loaded.tokenizer
+    assert tok.pad_token is None
+    prompts = ["The history of the", "A long time ago , in the valley of the river , there"]
+    batched = greedy(loaded.model, tok, prompts, 6, 2, "cpu", Reporter(quiet=True), "gen")
+    alone = [greedy(loaded.model, tok, [p], 6, 1, "cpu", Reporter(quiet=True), "gen")[0] for p in prompts]
+    assert tok.pad_token is None and tok.padding_side == "right"  # the tokenizer is given back as it was
+    assert batched == alone and all(len(r) == 6 for r in batched)

@@ -51,8 +51,10 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size
     """Generated token ids per prompt, cut at the first end-of-sequence token."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    side = tokenizer.padding_side
+    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"  # generation continues from the right end of every row
+    if pad_token is None:  # many base models ship no pad token: batches are padded with eos, as generate() does
+        tokenizer.pad_token = tokenizer.eos_token
     out: list[list[int]] = []
     try:
         batches = range(0, len(prompts), batch_size)
@@ -65,7 +67,7 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size
             for row in gen[:, enc["input_ids"].shape[1]:].tolist():
                 out.append(row[: row.index(eos)] if eos in row else row)
     finally:
-        tokenizer.padding_side = side
+        tokenizer.padding_side, tokenizer.pad_token = side, pad_token
     return out
 
 

