@@ -28,7 +28,9 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_ke
              max_position_embeddings=512)
 FAMILIES = {  # model_type -> extra config (MoE: 8 experts, top-2, expert width 256)
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=64), "granite": dict(residual_multiplier=0.5),
-    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64), "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64),
+    # vLLM's Gemma always ties the head to the embeddings, as the released models do
+    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, tie_word_embeddings=True),
     "phi3": dict(pad_token_id=0), "olmo2": {},
     "qwen3_moe": dict(head_dim=64, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2),
     "mixtral": dict(intermediate_size=256, num_local_experts=8, num_experts_per_tok=2),

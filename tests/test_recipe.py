@@ -30,7 +30,7 @@ def test_defaults_follow_the_contract():
     (lambda d: d["stages"][0]["gptq"].update(group_size=48), "stages.0.gptq.group_size: Input should be -1, 32, 64, 128 or 256 (got 48)"),
     (lambda d: d["stages"][0].update(awq={}), "stages.0: a stage is exactly one of: gptq, rtn, smoothquant, awq"),
     (lambda d: d["stages"][0].update(fp4={}), "stages.0: unknown key 'fp4' (accepted: gptq, rtn, smoothquant, awq)"),
-    (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, load, calibration, stages, export, release, gates)"),
+    (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, load, calibration, moe, stages, export, release, gates)"),
     (lambda d: d["stages"][0]["gptq"].update(damp=0), "stages.0.gptq.damp: Input should be greater than 0"),
     (lambda d: d["calibration"].update(num_samples="many"), "calibration.num_samples: Input should be a valid integer"),
     (lambda d: d.update(dtype="fp8"), "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'fp8')"),
@@ -40,6 +40,9 @@ def test_defaults_follow_the_contract():
     (lambda d: d.pop("calibration"), "calibration: required by the gptq stage"),
     (lambda d: d.pop("model"), "model: Field required"),
     (lambda d: d.update(stages=[]), "stages: List should have at least 1 item"),
+    (lambda d: d.update(moe={"calibrate_all": True}),
+     "moe: unknown key 'calibrate_all' (accepted: calibrate_all_experts, min_tokens)"),
+    (lambda d: d.update(moe={"min_tokens": 0}), "moe.min_tokens: Input should be greater than or equal to 1"),
 ])
 def test_bad_recipes_name_the_field(edit, expected):
     d = copy.deepcopy(BASE)
