@@ -135,8 +135,9 @@ def main() -> int:
                 continue
             theirs, ours = json.loads(line[7:]), quantkit_greedy(folder, prompts)
             same = sum(a == b for x, y in zip(theirs, ours) for a, b in zip(x, y))
-            results.setdefault(arch, {})[name] = {"served": True, "same_tokens": same, "tokens": NEW_TOKENS * len(prompts),
-                                                  "first_token_same": sum(x[0] == y[0] for x, y in zip(theirs, ours))}
+            results.setdefault(arch, {})[name] = {
+                "served": True, "same_tokens": same, "tokens": NEW_TOKENS * len(prompts),
+                "first_token_same": sum(x[0] == y[0] for x, y in zip(theirs, ours))}
             print(f"vllm_families: {arch} {name}: {same}/{NEW_TOKENS * len(prompts)} greedy tokens agree", flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = ["| family | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)]

@@ -38,7 +38,8 @@ METHODS = {  # method -> (stages, formats); sym W4 for formats transformers 5.24
     "rtn": ([f"rtn: {SYM4}"], ["gptq", "compressed-tensors"]),
     "gptq": (["gptq: {bits: 4, group_size: 32, sym: true, act_order: true}"], ["gptq", "compressed-tensors"]),
     "awq": (["awq: {bits: 4, group_size: 32, zero_point: true}"], ["awq", "compressed-tensors"]),
-    "awq+gptq": (["awq: {bits: 4, group_size: 32, zero_point: true}", "gptq: {bits: 4, group_size: 32, sym: false}"], ["gptq", "compressed-tensors"]),
+    "awq+gptq": (["awq: {bits: 4, group_size: 32, zero_point: true}", "gptq: {bits: 4, group_size: 32, sym: false}"],
+                 ["gptq", "compressed-tensors"]),
     "smoothquant+gptq w8a8": (["smoothquant: {alpha: 0.5}", "gptq: {bits: 8, group_size: -1, sym: true, "
                                "activations: {type: int}}"], ["compressed-tensors"]),
     "fp8": (["rtn: {bits: 8, group_size: -1, sym: true, type: float, activations: {type: float}}"],

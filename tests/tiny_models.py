@@ -1,5 +1,5 @@
-"""Tiny random causal LMs of every supported family (dense and mixture-of-experts) with a small BPE tokenizer trained on the
-bundled WikiText-2 validation text, saved as ordinary HF folders for fast end-to-end tests."""
+"""Tiny random causal LMs of every supported family (dense and mixture-of-experts) with a small BPE tokenizer
+trained on the bundled WikiText-2 validation text, saved as ordinary HF folders for fast end-to-end tests."""
 
 from __future__ import annotations
 

@@ -12,8 +12,11 @@ Transform stages (SmoothQuant, AWQ) add one float forward of the block before th
 statistics they fold into the block's weights. RTN needs no data: alone it quantizes every Linear in one
 sweep; after a transform it quantizes each block's Linears and runs the block to feed the next one. AWQ as
 the weight stage is its transform pass followed by that RTN step on the AWQ grid.
-W8A8 recipes also quantize each Linear's input per token during those forwards (the grid Int8Linear /
-Fp8Linear run), so later blocks calibrate on what will run. The model keeps float Linears holding the
+Mixture-of-experts blocks arrive with per-expert Linears (moe.py): each expert's gate/up/down is hooked like any
+other Linear, and with calibrate_all_experts every expert first sees every token, so one Hessian serves every
+expert's gate/up.
+W8A8 recipes also quantize each Linear's input per token during those forwards (the grid Int8Linear / Fp8Linear
+run), so later blocks calibrate on what will run. The model keeps float Linears holding the
 dequantized weights; `kernels.w8a8.swap_w8a8_linears(model, result.qweights)` makes it the W8A8 model.
 """
 
@@ -246,7 +249,8 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
         + (f", {ranks.world} processes ({tokens.shape[0]} windows on rank {ranks.rank})" if ranks.active else "")
     )
-    groups: dict[str, tuple[str, ...]] = {}  # Linears (by name inside a block) that read one input, learned block by block
+    # Linears (by name inside a block) that read one input, learned block by block
+    groups: dict[str, tuple[str, ...]] = {}
     first = 0
     if checkpoints is not None and checkpoints.state["done"] >= 0:
         hidden, losses, extra = checkpoints.restore(blocks, device, source.restore, result.qweights)
@@ -342,8 +346,8 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     expert sees every token, does every expert's gate/up. The last two inputs are kept (an expert's gate/up input,
     then its down_proj input, then the next expert's gate/up input again).
     groups: Linears that read one input, by name inside the block; learned from the blocks before and used to solve a
-    whole group at its first call, in one GPTQ pass (spread over the ranks). An expert Linear whose Hessian saw fewer than
-    moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
+    whole group at its first call, in one GPTQ pass (spread over the ranks). An expert Linear whose Hessian saw fewer
+    than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
     spec, act = result.info.spec, result.info.activations
     by_name = {n: m for m, n in names.items()}
     inputs_seen: OrderedDict[int, dict] = OrderedDict()  # id(input) -> its entry

@@ -161,8 +161,9 @@ class Streamed:
                 target = self.model.get_submodule(module)
                 t = wanted.pop(self.sources[key][0])[:]
                 if tuple(t.shape) != tuple(target._parameters[leaf].shape):
+                    want = tuple(target._parameters[leaf].shape)
                     raise QuantkitError(f"model: {self.folder}: tensor {self.sources[key][0]} has shape "
-                                        f"{tuple(t.shape)}, config.json implies {tuple(target._parameters[leaf].shape)}")
+                                        f"{tuple(t.shape)}, config.json implies {want}")
                 target._parameters[leaf] = nn.Parameter(t.to(device, self.dtype), requires_grad=False)
             info, _ = convert_and_load_state_dict_in_model(self.model, wanted, config)
         bad = sorted(info.mismatched_keys) or sorted(info.conversion_errors)
