@@ -65,6 +65,9 @@ def test_gptq_tensors_have_the_published_shapes(artifacts):
         assert torch.equal(f.get_tensor(f"{q}.g_idx"), torch.arange(64, dtype=torch.int32) // 32)
     assert "lm_head.weight" not in names  # tied to the embedding
     assert not any(n.endswith("proj.weight") for n in names)
+    # act-order is group-aware: g_idx stays trivial, so loaders must not reorder by it (vLLM's MoE refuses desc_act)
+    qcfg = json.loads((artifacts / "q" / "gptq" / "config.json").read_text())["quantization_config"]
+    assert qcfg["desc_act"] is False and qcfg["act_group_aware"] is True
 
 
 def test_both_formats_dequantize_identically_by_reference_and_runtime(artifacts):

@@ -77,8 +77,11 @@ def encode(qweights: dict[str, QuantizedWeight], info: QuantInfo) -> Encoded:
         "quant_method": "gptq",
         "bits": info.spec.bits,
         "group_size": info.spec.group_size,
-        "desc_act": info.act_order,
-        "static_groups": info.act_order,  # act-order here keeps groups contiguous: g_idx is trivial
+        # quantkit's act-order is group-aware (GPTQModel's act_group_aware): groups stay contiguous and g_idx trivial,
+        # so loaders must not permute by g_idx. desc_act false also keeps vLLM's fast kernels, and its MoE loader
+        # (which rejects desc_act checkpoints).
+        "desc_act": False,
+        "act_group_aware": info.act_order,
         "sym": info.spec.sym,
         "lm_head": False,
         "true_sequential": True,
