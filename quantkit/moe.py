@@ -53,7 +53,6 @@ class Experts(nn.ModuleList):
     def __init__(self, experts: list[Expert]):
         super().__init__(experts)
         self.calibrate_all = False
-        self.tokens = [0] * len(experts)  # routed tokens per expert in the last forward (calibration's warnings)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -61,7 +60,6 @@ class Experts(nn.ModuleList):
         for e, expert in enumerate(self):
             # the positions in transformers' order: by top-k slot, then token (its one_hot mask, permuted)
             pos, tok = torch.where((top_k_index == e).T)
-            self.tokens[e] = int(tok.numel())
             if self.calibrate_all:
                 expert.observe(hidden_states)  # statistics over every token; the output comes from the routed ones
             if tok.numel() == 0:

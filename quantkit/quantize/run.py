@@ -121,8 +121,9 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
             loaded = load_model(recipe.model, recipe.dtype, tokenizer)
         model, source = loaded.model, InMemory()
         names = moe.prepare(model)
-        if moe.experts_of(model):
-            report.info(f"moe: {len(moe.experts_of(model))} blocks of {len(moe.experts_of(model)[0][1])} experts as "
+        moe_blocks = moe.experts_of(model)
+        if moe_blocks:
+            report.info(f"moe: {len(moe_blocks)} blocks of {len(moe_blocks[0][1])} experts as "
                         f"per-expert Linears (calibrate_all_experts {str(recipe.moe.calibrate_all_experts).lower()})")
         report.info(f"loaded {recipe.model} ({type(model).__name__}, {model.dtype}) in {report.timings['load']:.1f} s")
     else:
