@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -160,8 +161,10 @@ def launch(nproc: int, args: list[str], output: Path) -> int:
     if errors:
         line = errors[0].read_text().strip()
     else:
-        dead = re.search(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", "".join(report), re.S)
-        line = (f"rank {dead.group(1)}: died (exit code {dead.group(2)}); run the same command again to resume"
+        ended = re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", "".join(report), re.S)
+        # torchrun stops the survivors with SIGTERM (-15): the rank that died first is one that it did not stop
+        dead = next((e for e in ended if int(e[1]) != -signal.SIGTERM), ended[0] if ended else None)
+        line = (f"rank {dead[0]}: died (exit code {dead[1]}); run the same command again to resume"
                 if dead else f"torchrun failed with exit code {proc.returncode}")
     sys.stderr.write(f"error: {line}\n")
     return 2
