@@ -117,7 +117,7 @@ def test_awq_beats_rtn_on_a_linear_with_outlier_channels_and_clip_helps(spec, bo
     w = torch.randn(128, 256, generator=g) * 0.02
     rtn = output_error(x, w, rtn_quantize(w, spec).dequantize())
     loss = awq.linear_loss(x.T @ x / len(x), [w])
-    res = awq.search_scale(awq.activation_mean(x), [w], spec, loss, duo_scaling=False)
+    res = awq.search_scale(awq.activation_sum(x[None]) / len(x), [w], spec, loss, duo_scaling=False)
     # the Gram-matrix loss is the plain output MSE; α = 0 without duo scaling is s = 1, i.e. RTN
     assert res.losses[0] == pytest.approx(rtn, rel=1e-4)
     scaled = output_error(x, w, awq.fake_quantize(w, res.scale, spec))
@@ -150,7 +150,7 @@ def test_awq_on_a_block_through_the_norm_fold(prev):
     weights = [lin.weight.detach().clone() for lin in mapping.linears]
     loss = awq.module_loss(lambda: module(x, **kwargs), mapping.linears)
     rtn = loss([rtn_quantize(w, spec).dequantize() for w in weights])
-    res = awq.search_scale(awq.activation_mean(x), weights, spec, loss)
+    res = awq.search_scale(awq.activation_sum(x) / (2 * 128), weights, spec, loss)
     assert all(torch.equal(lin.weight, w) for lin, w in zip(mapping.linears, weights))  # restored
     assert min(res.losses) < 0.5 * rtn, (min(res.losses) / rtn, res.losses)  # measured 0.32 for both
     # folding s for real and quantizing the folded weights reproduces the searched error

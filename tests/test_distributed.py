@@ -142,11 +142,31 @@ def test_a_failing_rank_ends_the_run_with_its_line_and_the_run_resumes(four_laye
         assert (tmp_path / "out" / "gptq" / f).read_bytes() == (tmp_path / "whole" / "gptq" / f).read_bytes()
 
 
-def test_transform_stages_ask_for_one_process(four_layers, tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "o", "smoothquant: {alpha: 0.5}\n  - " + GPTQ,
-                          ("gptq",))
-    run = quantkit("quantize", recipe, "--nproc", 2)
-    assert run.returncode == 2
-    assert run.stderr.strip().splitlines()[-1] == (
-        "error: rank 0: stages.0.smoothquant: calibration over several processes runs gptq and rtn stages only; "
-        "run smoothquant in one process (without torchrun / --nproc)")
+W8A8 = ("gptq: {bits: 8, group_size: -1, sym: true, "
+        "activations: {bits: 8, type: int, dynamic: true, strategy: token}}")
+
+
+@pytest.mark.parametrize("stages,formats", [
+    ("awq: {bits: 4, group_size: 32, zero_point: true}\n  - " + GPTQ, ("gptq",)),
+    ("awq: {bits: 4, group_size: 32, zero_point: true}", ("awq",)),
+    ("smoothquant: {alpha: 0.5}\n  - " + W8A8, ("compressed-tensors",)),  # smoothed inside gptq's forward
+    ("smoothquant: {alpha: 0.5}\n  - rtn: {bits: 8, group_size: -1, sym: true, "
+     "activations: {bits: 8, type: int, dynamic: true, strategy: token}}", ("compressed-tensors",)),
+], ids=["awq+gptq", "awq", "sq+gptq", "sq+rtn"])
+def test_two_ranks_reduce_awq_and_smoothquant_statistics_to_the_one_process_artifact(four_layers, tmp_path,
+                                                                                     stages, formats):
+    """AWQ's channel sums, Gram matrices and scale-search errors and SmoothQuant's max |x| are reduced over the ranks
+    in forms that equal the one-process values; AWQ's scored windows (16 x 512 tokens is over MODULE_LOSS_TOKENS,
+    so 8 of the 16 windows are scored, 4 on each rank) and clip samples are chosen among all windows."""
+    out = {}
+    for nproc in (1, 2):
+        recipe = write_recipe(tmp_path / f"{nproc}.yaml", four_layers, tmp_path / f"p{nproc}", stages, formats,
+                              samples=16, seq_len=512)
+        run = quantkit("quantize", recipe, "--nproc", nproc)
+        assert run.returncode == 0, run.stderr
+        out[nproc] = tmp_path / f"p{nproc}" / formats[0]
+    if "awq:" in stages:
+        summary = [x for x in run.stderr.splitlines() if "mappings scaled" in x]
+        assert summary and " 0 mappings" not in summary[0], run.stderr
+    for f in ("model.safetensors", "config.json"):
+        assert (out[1] / f).read_bytes() == (out[2] / f).read_bytes(), f

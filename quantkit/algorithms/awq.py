@@ -36,13 +36,14 @@ class ScaleSearch:
 
 
 @torch.no_grad()
-def activation_mean(x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """mean |x| per input channel over all tokens, in float32 (chunked: no float copy of x)."""
-    x = x.reshape(-1, x.shape[-1])
-    total = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
-    for part in x.split(chunk):
-        total += part.abs().float().sum(0)
-    return total / max(x.shape[0], 1)
+def activation_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ |x| per input channel, float64, x: [windows, tokens, channels]. Each window is summed on its own in fp32,
+    the windows in fp64 (as gptq.Hessian does), so shares of the windows on several processes add up to the
+    one-process sum."""
+    total = torch.zeros(x.shape[-1], dtype=torch.float64, device=x.device)
+    for w in x:
+        total += w.reshape(-1, x.shape[-1]).abs().float().sum(0)
+    return total
 
 
 @torch.no_grad()
@@ -136,30 +137,36 @@ def linear_loss(gram: torch.Tensor, weights: list[torch.Tensor]) -> Loss:
     return loss
 
 
-def module_loss(run: Callable[[], torch.Tensor], linears: list[nn.Linear]) -> Loss:
+def module_loss(run: Callable[[], torch.Tensor] | None, linears: list[nn.Linear],
+                reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Loss:
     """Mean squared error of a module's output (e.g. self_attn for q/k/v, mlp for gate/up) with candidate
     weights swapped into `linears`, against its float output. `run` evaluates the module on the calibration
     input (a tuple output counts by its first element, as attention returns (output, weights)); the reference
-    output is computed once, here."""
+    output is computed once, here. reduce sums [squared error, elements] (float64) over the processes that share
+    the calibration; run None: this process holds none of the scored input."""
 
     def output() -> torch.Tensor:
         out = run()
         return (out[0] if isinstance(out, tuple) else out).float()
 
     with torch.no_grad():
-        ref = output()
+        ref = output() if run is not None else None
 
     @torch.no_grad()
     def loss(candidates: list[torch.Tensor]) -> float:
-        saved = [lin.weight.data for lin in linears]
-        try:
-            for lin, c in zip(linears, candidates):
-                lin.weight.data = c.to(lin.weight.device, lin.weight.dtype)
-            out = output()
-        finally:
-            for lin, w in zip(linears, saved):
-                lin.weight.data = w
-        return float((out - ref).square().mean())
+        part = torch.zeros(2, dtype=torch.float64)
+        if run is not None:
+            saved = [lin.weight.data for lin in linears]
+            try:
+                for lin, c in zip(linears, candidates):
+                    lin.weight.data = c.to(lin.weight.device, lin.weight.dtype)
+                out = output()
+            finally:
+                for lin, w in zip(linears, saved):
+                    lin.weight.data = w
+            part[0], part[1] = (out - ref).square().sum(dtype=torch.float64).cpu(), out.numel()
+        total = reduce(part)
+        return float(total[0] / total[1])
 
     return loss
 

@@ -43,10 +43,28 @@ class Ranks:
     def share(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens[self.rank :: self.world] if self.active else tokens
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def windows(self, total: int) -> torch.Tensor:
+        """The indices, among all `total` calibration windows, of this rank's share (in its order)."""
+        return torch.arange(self.rank, total, self.world)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """t summed (op "sum") or maximised ("max") over the ranks, in place."""
         if self.active:
-            self._collective(lambda: torch.distributed.all_reduce(t))
+            reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
+            # NCCL reduces GPU tensors only: a host tensor (a token count) makes the round trip
+            buf = t.cuda() if t.device.type == "cpu" and torch.distributed.get_backend() == "nccl" else t
+            self._collective(lambda: torch.distributed.all_reduce(buf, op=reduce_op))
+            if buf is not t:
+                t.copy_(buf)
         return t
+
+    def all_gather(self, obj) -> list:
+        """Every rank's obj (any picklable object), in rank order."""
+        if not self.active:
+            return [obj]
+        box = [None] * self.world
+        self._collective(lambda: torch.distributed.all_gather_object(box, obj))
+        return box
 
     def barrier(self) -> None:
         if self.active:
@@ -133,6 +151,8 @@ def init(device_type: str, folder: Path) -> Ranks:
         return Ranks()
     rank = int(os.environ["RANK"])
     if not torch.distributed.is_initialized():
+        if device_type == "cuda":  # NCCL's collectives run on the current device: this rank's own GPU
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         torch.distributed.init_process_group("nccl" if device_type == "cuda" else "gloo")
     folder.mkdir(parents=True, exist_ok=True)
     ranks = Ranks(rank, world, folder)

@@ -132,11 +132,13 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         acts = tokens * elt * (2 * hidden + 3 * inter + hidden) + attn
         if any(s.name in ("awq", "smoothquant") for s in recipe.stages):
             acts += 2 * tokens * hidden * elt  # the block's cached inputs that AWQ's search replays
+        widest_in = max((m.in_features for m in targets.values()), default=hidden)
+        if any(s.name == "awq" for s in recipe.stages):  # freed before the weight stage's Hessians exist
+            solver = widest_in * widest_in * (8 + 4)  # the Gram matrix of up -> down: fp64 sum + a window's fp32
         if recipe.stage.name == "gptq":
-            widest_in = max(m.in_features for m in targets.values())
             # the fp64 Hessian sum and one window's fp32 term while it accumulates; then its fp32 value and two of
             # its factors at a time (algorithms/gptq.py frees each as the next is made), plus act-order's permuted copy
-            solver = 4 * widest_in * widest_in * 4
+            solver = max(solver, 4 * widest_in * widest_in * 4)
     # quantizing and packing the widest weight: a float32 copy, its error / dequantized copy, uint8 codes and
     # the int32 words they are packed from
     solver += max((m.weight.numel() for m in targets.values()), default=0) * (4 + 4 + 1 + 4)

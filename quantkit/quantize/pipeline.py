@@ -197,14 +197,11 @@ def quantize(
     prefix, targets, info = plan(model, stage, formats, transforms)
     # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
     own = [stage] if stage.name in transform_passes.PASSES else []
-    passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1])
+    passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1], ranks,
+                                    calib.tokens.shape[0] if calib is not None else 0)
     if ranks.active and not moe_args.calibrate_all_experts and moe.experts_of(model):
         raise QuantkitError("moe.calibrate_all_experts: false routes different tokens to each process's experts; "
                             "calibration over several processes needs true")
-    if ranks.active and passes:
-        kind = [*transforms, *own][0].name
-        raise QuantkitError(f"stages.0.{kind}: calibration over several processes runs gptq and rtn stages only; "
-                            f"run {kind} in one process (without torchrun / --nproc)")
     for p in passes:
         for note in p.notes:
             report.warn(f"{p.name}: {note}")

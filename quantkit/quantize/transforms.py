@@ -9,6 +9,11 @@ Each pass plans all blocks up front (so a recipe that cannot apply fails before 
 `observe(i, block)` (hook handles for that forward), `apply(i, block)` (fold what was observed, return
 warnings) and `summary()` (one progress line), plus `notes` about the structure, reported once.
 SmoothQuantPass also offers `inline(i, block)`: the same fold done inside the weight stage's forward.
+
+Under several processes (quantize/distributed.py) each rank observes its share of the calibration windows. The
+statistics are reduced right before they are used, in forms that add up to the one-process values: max |x| by
+max, AWQ's channel sums and Gram matrices per window in fp64, the scale search's squared errors per candidate,
+and the clipping samples by their index among all windows. A Linear's clip search runs on one rank.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from torch import nn
 
 from .. import moe
 from ..algorithms import awq
+from ..algorithms.gptq import Hessian
 from ..algorithms.grid import GridSpec
 from ..algorithms.smoothing import Mapping, find_mappings, fold
 from ..algorithms.smoothquant import channel_absmax, norm_mappings, smoothing_scale
 from ..errors import QuantkitError
 from ..model import block_linears, matches
 from ..recipe import AWQ, SmoothQuant, Stage
+from .distributed import Ranks
 
 
 def plan_mappings(path: str, prefix: str, blocks: nn.ModuleList,
@@ -52,8 +59,9 @@ def plan_mappings(path: str, prefix: str, blocks: nn.ModuleList,
 class SmoothQuantPass:
     name = "smoothquant"
 
-    def __init__(self, args: SmoothQuant, path: str, prefix: str, blocks: nn.ModuleList):
-        self.args, self.path = args, path
+    def __init__(self, args: SmoothQuant, path: str, prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
+                 windows: int = 0):
+        self.args, self.path, self.ranks = args, path, ranks
         self.mappings, self.block_names, self.notes = plan_mappings(
             path, prefix, blocks, norm_mappings, lambda i, where, m: not self._ignored(where, m),
             "norm -> Linear pair to smooth", "every norm -> Linear mapping is ignored; nothing to smooth")
@@ -84,10 +92,13 @@ class SmoothQuantPass:
         warnings = []
         for k, m in enumerate(self.mappings[i]):
             x = self.absmax.pop((i, k), None)
-            if x is None:
+            reached = self.ranks.all_reduce(torch.tensor([float(x is not None)]), "max")
+            if not reached.item():
                 warnings.append(self._unreached(i, m))
                 continue
-            self._fold(i, m, x)
+            if x is None:  # reached on another rank only
+                x = torch.zeros(m.linears[0].in_features)
+            self._fold(i, m, self.ranks.all_reduce(x, "max"))
         return warnings
 
     def _unreached(self, i: int, m: Mapping) -> str:
@@ -117,7 +128,7 @@ class SmoothQuantPass:
                 x, st = inputs[0], seen.setdefault(k, {})
                 if st.get("x") is not x:  # q/k/v (gate/up) read one tensor: one scale, folded once
                     if "s" not in st:
-                        st["s"] = self._fold(i, m, channel_absmax(x))
+                        st["s"] = self._fold(i, m, self.ranks.all_reduce(channel_absmax(x), "max"))
                     st.update(x=x, xs=x / st["s"].to(x.device, x.dtype))
                 return (st["xs"], *inputs[1:])
 
@@ -158,9 +169,9 @@ def _rows(obj: Any, rows: torch.Tensor, batch: int) -> Any:
     return obj
 
 
-def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
-    x = x.detach().reshape(-1, x.shape[-1])
-    return x[:: max(1, x.shape[0] // n)][:n].clone()
+def _windows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A Linear's input as [n windows, tokens, channels] (an expert's reads the block's tokens flattened)."""
+    return x.detach().reshape(n, -1, x.shape[-1])
 
 
 class AwqPass:
@@ -174,8 +185,12 @@ class AwqPass:
 
     name = "awq"
 
-    def __init__(self, args: AWQ, path: str, prefix: str, blocks: nn.ModuleList):
-        self.args, self.path = args, path
+    def __init__(self, args: AWQ, path: str, prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
+                 windows: int = 0):
+        """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have."""
+        self.args, self.path, self.ranks = args, path, ranks
+        self.mine = ranks.windows(windows)  # this process's windows, by their index among all
+        self.total = windows
         self.spec = GridSpec(args.bits, args.group_size, args.sym)
         self.targets: list[dict[str, nn.Linear]] = []  # per block: short name -> Linear that gets quantized
         for i, block in enumerate(blocks):
@@ -190,7 +205,8 @@ class AwqPass:
             path, prefix, blocks, find_mappings, lambda i, where, m: any(n in self.targets[i] for n in m.names),
             "mapping to scale", "every Linear of every mapping is ignored; nothing to scale")
         self.stats: dict[tuple[int, int], dict] = {}  # (block, mapping) -> sums / gram / captured call
-        self.inputs: dict[tuple[int, str], torch.Tensor] = {}  # (block, linear) -> input subsample
+        # (block, linear) -> (indices among all calibration tokens, those tokens of its input)
+        self.inputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.ratios: list[float] = []
         self.clipped = 0
 
@@ -210,9 +226,10 @@ class AwqPass:
             def pre_hook(module: nn.Module, inputs: tuple) -> None:
                 if moe.replaying(module):  # an expert's routed tokens, already seen with all the others
                     return
-                x = _subsample(inputs[0], CLIP_TOKENS)
-                old = self.inputs.get((i, name))
-                self.inputs[(i, name)] = x if old is None else _subsample(torch.cat([old, x]), CLIP_TOKENS)
+                if (i, name) in self.inputs:
+                    raise QuantkitError(f"{self.path}: {self.block_names[i]}.{name} ran twice in one block forward; "
+                                        "AWQ cannot clip it")
+                self.inputs[(i, name)] = self._clip_sample(_windows(inputs[0], len(self.mine)))
 
             return pre_hook
 
@@ -220,19 +237,12 @@ class AwqPass:
             def pre_hook(module: nn.Module, inputs: tuple) -> None:
                 if moe.replaying(module):
                     return
-                x = inputs[0].detach()
+                x = _windows(inputs[0], len(self.mine))
                 st = self.stats.setdefault(key, {"sum": 0, "count": 0})
-                n = x.numel() // x.shape[-1]
-                st["sum"] = st["sum"] + awq.activation_mean(x) * n
-                st["count"] += n
+                st["sum"] = st["sum"] + awq.activation_sum(x)
+                st["count"] += x.shape[0] * x.shape[1]
                 if gram:
-                    flat = x.reshape(-1, x.shape[-1])
-                    g = st.get("gram")
-                    if g is None:
-                        g = st["gram"] = torch.zeros(flat.shape[1], flat.shape[1], device=x.device)
-                    for part in flat.split(8192):
-                        part = part.float()
-                        g.addmm_(part.T, part)
+                    st.setdefault("gram", Hessian(x.shape[-1], x.device)).add(x)
 
             return pre_hook
 
@@ -242,11 +252,14 @@ class AwqPass:
                 if key in self.stats and "call" in self.stats[key]:
                     raise QuantkitError(f"{self.path}: {module.__class__.__name__} ran twice in one block "
                                         "forward; AWQ cannot score it")
-                if x is not None and x.dim() >= 2 and x.numel() // x.shape[-1] > MODULE_LOSS_TOKENS:
+                if x is not None and x.dim() >= 2 and self.total * x.shape[1] > MODULE_LOSS_TOKENS:
+                    # evenly spaced windows among all of them; a process scores those in its share
+                    keep = max(1, MODULE_LOSS_TOKENS // x.shape[1])
+                    chosen = torch.linspace(0, self.total - 1, keep).round().long().unique()
+                    rows = torch.nonzero(torch.isin(self.mine, chosen)).flatten()
                     batch = x.shape[0]
-                    keep = max(1, MODULE_LOSS_TOKENS // (x.numel() // x.shape[-1] // batch))
-                    rows = torch.linspace(0, batch - 1, keep).round().long().unique()
-                    args, kwargs = _rows(args, rows, batch), _rows(kwargs, rows, batch)
+                    args, kwargs = (None, None) if not len(rows) else (_rows(args, rows, batch),
+                                                                       _rows(kwargs, rows, batch))
                 self.stats.setdefault(key, {"sum": 0, "count": 0})["call"] = (args, kwargs)
 
             return pre_hook
@@ -260,26 +273,60 @@ class AwqPass:
                 handles.append(m.inspect.register_forward_pre_hook(call((i, k)), with_kwargs=True))
         return handles
 
+    def _clip_sample(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every k-th of all calibration tokens, about CLIP_TOKENS of them (the same ones under any split of the
+        windows over processes): their indices among all tokens and their rows of x [windows, tokens, channels]."""
+        per = x.shape[1]
+        stride = max(1, self.total * per // CLIP_TOKENS)
+        t = (self.mine[:, None] * per + torch.arange(per)).flatten()
+        keep = (t % stride == 0) & (t // stride < CLIP_TOKENS)
+        return t[keep], x.reshape(-1, x.shape[-1])[keep.to(x.device)].clone()
+
+    def _gathered(self, i: int, name: str) -> torch.Tensor | None:
+        """Linear `name`'s clip sample from every process, in the order of the tokens."""
+        parts = [p for p in self.ranks.all_gather(self.inputs.pop((i, name), None)) if p is not None]
+        if not parts:
+            return None
+        t = torch.cat([p[0] for p in parts])
+        x = torch.cat([p[1].to(parts[0][1].device) for p in parts])
+        return x[torch.argsort(t).to(x.device)]
+
+    def _reduced(self, i: int, k: int, m: Mapping) -> dict | None:
+        """Mapping k's statistics summed over the processes (None: no calibration token reached it)."""
+        st = self.stats.pop((i, k), None) or {"sum": 0, "count": 0}
+        count = int(self.ranks.all_reduce(torch.tensor([float(st["count"])], dtype=torch.float64)).item())
+        if not count:
+            return None
+        channels = m.linears[0].in_features
+        total = st["sum"] if st["count"] else torch.zeros(channels, dtype=torch.float64)
+        st["mean"] = (self.ranks.all_reduce(total) / count).float()
+        if len(m.linears) == 1 and m.inspect is m.linears[0]:
+            gram = st.get("gram") or Hessian(channels, total.device)
+            st["gram"] = (self.ranks.all_reduce(gram.sum) / count).float()
+        elif "call" not in st:
+            st["call"] = (None, None)  # this process's share held none of the scored windows
+        return st
+
     def apply(self, i: int, block: nn.Module) -> list[str]:
         """Searches every mapping's scale on the float block, folds them, clips; returns a warning for each
         mapping the calibration data never reached."""
         warnings, found = [], []
         for k, m in enumerate(self.mappings[i]):
             where = f"{self.block_names[i]}.{m.prev_name}"
-            st = self.stats.pop((i, k), None)
-            if st is None or not st["count"] or ("gram" not in st and "call" not in st):
+            st = self._reduced(i, k, m)
+            if st is None:
                 warnings.append(f"{where} -> {','.join(m.names)} was not reached by calibration data; left unscaled")
                 continue
             linears, _ = self._quantized(i, m)
             weights = [lin.weight.detach() for lin in linears]
             if "gram" in st:
-                loss = awq.linear_loss(st["gram"] / st["count"], weights)
+                loss = awq.linear_loss(st["gram"], weights)
             else:
                 args, kwargs = st["call"]
-                loss = awq.module_loss(lambda f=m.inspect, a=args, kw=kwargs: f(*a, **kw), linears)
+                run = None if args is None else lambda f=m.inspect, a=args, kw=kwargs: f(*a, **kw)
+                loss = awq.module_loss(run, linears, self.ranks.all_reduce)
             try:
-                res = awq.search_scale(st["sum"] / st["count"], weights, self.spec, loss, self.args.grid,
-                                       self.args.duo_scaling)
+                res = awq.search_scale(st["mean"], weights, self.spec, loss, self.args.grid, self.args.duo_scaling)
             except awq.NoFiniteLoss:
                 raise QuantkitError(f"{self.path}: no finite AWQ loss for {where} (activation overflow?); "
                                     "use dtype: float32") from None
@@ -292,17 +339,18 @@ class AwqPass:
                 raise QuantkitError(f"{self.path}: non-finite AWQ scale for {self.block_names[i]}.{m.prev_name}; "
                                     "use dtype: float32") from None
             for name in m.names:  # what the Linear reads from now on: x / s
-                x = self.inputs.get((i, name))
-                if x is not None:
-                    self.inputs[(i, name)] = x / s.to(x.device, x.dtype)
-        inputs = {name: self.inputs.pop((i, name), None) for name in self.targets[i]}
+                if (i, name) in self.inputs:
+                    t, x = self.inputs[(i, name)]
+                    self.inputs[(i, name)] = (t, x / s.to(x.device, x.dtype))
+        inputs = {name: self._gathered(i, name) for name in self.targets[i]}
         if self.args.clip:
+            todo = {n: lin for n, lin in self.targets[i].items() if inputs[n] is not None and awq.clip_applies(n)}
+            owner = self.ranks.owners({n: lin.out_features * lin.in_features for n, lin in todo.items()})
             with torch.no_grad():
-                for name, lin in self.targets[i].items():
-                    x = inputs[name]
-                    if x is None or not awq.clip_applies(name):
-                        continue
-                    lin.weight.copy_(awq.search_clip(lin.weight.detach(), x, self.spec, n_tokens=CLIP_TOKENS))
+                for name, lin in todo.items():  # each on its owner; the clipped weight to every process
+                    mine = None if owner[name] != self.ranks.rank else \
+                        awq.search_clip(lin.weight.detach(), inputs[name], self.spec, n_tokens=CLIP_TOKENS)
+                    lin.weight.copy_(self.ranks.broadcast(mine, owner[name]))
                     self.clipped += 1
         return warnings
 
@@ -310,5 +358,8 @@ class AwqPass:
 PASSES = {"smoothquant": SmoothQuantPass, "awq": AwqPass}
 
 
-def build(stages: list[Stage], prefix: str, blocks: nn.ModuleList) -> list[SmoothQuantPass | AwqPass]:
-    return [PASSES[s.name](s.args, f"stages.{i}.{s.name}", prefix, blocks) for i, s in enumerate(stages)]
+def build(stages: list[Stage], prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
+          windows: int = 0) -> list[SmoothQuantPass | AwqPass]:
+    """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have."""
+    return [PASSES[s.name](s.args, f"stages.{i}.{s.name}", prefix, blocks, ranks, windows)
+            for i, s in enumerate(stages)]
