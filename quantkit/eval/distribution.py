@@ -68,6 +68,37 @@ def token_stats(base: BaseTopK, logits: torch.Tensor, targets: torch.Tensor) -> 
     }
 
 
+def token_stats_from_topk(base: BaseTopK, q_idx: torch.Tensor, q_logp: torch.Tensor, q_target: torch.Tensor,
+                          chunk: int = 256) -> dict[str, torch.Tensor]:
+    """token_stats when the model's side is known only at its own top-k tokens (a serving engine's prompt
+    log-probs): q_idx / q_logp [T, k] (rank order), q_target [T] the log-prob of the token that follows. Both
+    distributions are coarsened to the tokens in both top-k lists plus one bucket for all others, so the KLD is
+    still a lower bound, and equals token_stats' when the lists cover where the mass is."""
+    vocab = int(max(base.topk_idx.max(), q_idx.max())) + 1
+    q_at_base = torch.empty(base.topk_idx.shape, dtype=torch.float64)
+    for r in range(0, q_idx.shape[0], chunk):  # q at the base's top-k tokens (nan: outside the model's top-k)
+        dense = torch.full((min(chunk, q_idx.shape[0] - r), vocab), float("nan"), dtype=torch.float64)
+        dense.scatter_(1, q_idx[r : r + chunk].long(), q_logp[r : r + chunk].double())
+        q_at_base[r : r + chunk] = dense.gather(1, base.topk_idx[r : r + chunk].long())
+    both = ~q_at_base.isnan()
+    p_logp = base.topk_logp.double()
+    p_both = torch.where(both, p_logp.exp(), 0.0)
+    q_both = torch.where(both, q_at_base.exp(), 0.0)
+    p_rest = base.rest.double() + (p_logp.exp() - p_both).sum(-1)
+    q_rest = (1.0 - q_both.sum(-1)).clamp_min(0.0)
+    rest_term = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-300).log() - q_rest.clamp_min(1e-300).log()),
+                            torch.zeros_like(p_rest))
+    kld = torch.where(both, p_both * (p_logp - q_at_base.nan_to_num(0.0)), 0.0).sum(-1) + rest_term
+    return {
+        "kld": kld.clamp_min(0.0).float(),
+        "same_top": q_idx[:, 0].long() == base.topk_idx[:, 0].long(),
+        "delta_p": (q_target.double().exp() - base.target_logp.double().exp()).float(),
+        "nll_model": -q_target.float(),
+        "nll_base": -base.target_logp,
+        "tail_mass": base.rest,
+    }
+
+
 def _mean_stderr(x: np.ndarray) -> tuple[float, float]:
     n = x.size
     return float(x.mean()), float(x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +24,8 @@ from ..progress import Reporter
 from ..quantize.memory import host_available
 from . import cache, generation, tasks
 from .compare import base_logits_entry, distribution_shift, fill_base_cache
-from .perplexity import eval_tokens, perplexity, window_logits
+from .distribution import ShiftAccumulator, token_stats_from_topk
+from .perplexity import eval_tokens, num_windows, perplexity, window_logits
 from .streamed import open_base, streamed_window_logits
 
 
@@ -44,6 +47,8 @@ class EvalOptions:
     gen_tokens: int = 64
     cache_dir: str | None = None
     base_load: str = "auto"  # memory | stream (block by block from its safetensors: log-probs only) | auto
+    engine: str = "quantkit"  # what runs the model: quantkit's runtime, or vLLM (engines/vllm.py); the base: quantkit
+    vllm_python: str | None = None  # vLLM's interpreter (default: $QUANTKIT_VLLM_PYTHON)
 
 
 def weight_bytes(path: str, model) -> tuple[int, str]:
@@ -109,19 +114,30 @@ def _stream_base(o: EvalOptions, prompts: list[str]) -> bool:
     return bool(files) and sum(f.stat().st_size for f in files) > host_available() // 2
 
 
-def evaluate(model_path: str, o: EvalOptions, report: Reporter) -> dict:
+def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> dict:
+    """engine: a started engines.vllm.VllmEngine to serve the model with (--engine vllm; default: one of its own)."""
     device = pick_device(o.device)
     root = cache.cache_root(o.cache_dir)
     start = time.perf_counter()
+    vllm = o.engine == "vllm"
+    if vllm:
+        from ..engines.vllm import interpreter
+
+        python = engine.python if engine is not None else interpreter(o.vllm_python)
+        if o.tasks:
+            raise QuantkitError("--tasks: lm-eval tasks run in quantkit's engine only; drop --tasks or use "
+                                "--engine quantkit")
     with report.timed("load"):
-        loaded = runtime.load(model_path, o.dtype)
-    ids = eval_tokens(loaded.tokenizer, o.dataset, o.max_tokens)
+        loaded = None if vllm else runtime.load(model_path, o.dtype)
+        tokenizer = _served_tokenizer(model_path) if vllm else loaded.tokenizer
+    ids = eval_tokens(tokenizer, o.dataset, o.max_tokens)
     prompts = generation.load_prompts(o.gen_prompts) if (o.base and o.generation) else []
-    size, size_source = weight_bytes(model_path, loaded.model)
+    size, size_source = weight_bytes(model_path, None if vllm else loaded.model)
     body = {"model": model_path, "base": o.base, "format": runtime.artifact_format(model_path) or "float",
             "size_bytes": size, "size_source": size_source, "dataset": o.dataset, "seq_len": o.seq_len,
-            "max_tokens": o.max_tokens, "device": device.type, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-            "options": asdict(o)}
+            "max_tokens": o.max_tokens, "device": "cpu" if vllm else device.type,
+            "dtype": None if vllm else str(loaded.model.dtype).removeprefix("torch."),
+            "engine": {"name": "quantkit", "version": __import__("quantkit").__version__}, "options": asdict(o)}
 
     base_scores: dict[str, dict] = {}
     base_gen = None
@@ -170,6 +186,11 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter) -> dict:
             base_gen = gen_entry.get()["tokens"]
         base.free()
 
+    if vllm:  # phase 2 in vLLM: the same windows and prompts, scored against the same cached base
+        body.update(_vllm_measurements(model_path, o, ids, entry if o.base else None, prompts, base_gen, tokenizer,
+                                       report, python, engine))
+        body["timings_s"] = dict(report.timings) | {"total": round(time.perf_counter() - start, 2)}
+        return body
     loaded.model.to(device)  # phase 2: the model
     with report.timed("model_logits"):
         if o.base:
@@ -195,6 +216,68 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter) -> dict:
             "max_new_tokens": o.gen_tokens, "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None))}
     body["timings_s"] = dict(report.timings) | {"total": round(time.perf_counter() - start, 2)}
     return body
+
+
+def _served_tokenizer(model_path: str):
+    """The tokenizer of a folder vLLM serves (an artifact or an HF checkpoint; vLLM does not serve GGUF here)."""
+    if not (Path(model_path) / "config.json").is_file():
+        raise QuantkitError(f"--engine vllm: {model_path} is not a folder with a config.json (a quantkit artifact or "
+                            "an HF checkpoint)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _vllm_measurements(model_path: str, o: EvalOptions, ids: torch.Tensor, entry, prompts: list[str],
+                       base_gen: list[list[int]] | None, tokenizer, report: Reporter, python: str, engine) -> dict:
+    """Perplexity (and with a base, KLD / same-top / delta p) from vLLM's prompt log-probs over exactly quantkit's
+    windows; generation agreement from vLLM's greedy outputs. vLLM's dtype follows the format (serving_dtype)."""
+    from ..engines.vllm import VllmEngine, serving_dtype
+
+    dtype = serving_dtype(json.loads((Path(model_path) / "config.json").read_text()))
+    rendered = [tokenizer(generation.render(tokenizer, p), add_special_tokens=not tokenizer.chat_template)["input_ids"]
+                for p in prompts]
+    n = num_windows(ids, o.seq_len)
+    windows = ids[: n * o.seq_len].view(n, o.seq_len)
+    max_len = max([o.seq_len + 1] + [len(r) + o.gen_tokens for r in rendered])
+    out: dict = {}
+    own = engine is None
+    if own:
+        engine = VllmEngine(python)
+        engine.start()
+    try:
+        with report.timed("vllm_load"):
+            engine.load(model_path, dtype, max_len, max_logprobs=o.top_k)
+        out["engine"] = {"name": "vllm", "version": engine.info["vllm"], "quantization": engine.info["quantization"],
+                         "python": python}
+        out["dtype"] = dtype
+        acc, nll, count = ShiftAccumulator(), 0.0, 0
+        t0 = time.perf_counter()
+        with report.timed("model_logits"):
+            batch = max(1, o.batch_size // 2)
+            for b in report.steps("vllm windows", math.ceil(n / batch)):
+                part = engine.prompt_logprobs(windows[b * batch : (b + 1) * batch], o.top_k)
+                for j, r in enumerate(part):
+                    if entry is not None:
+                        acc.add(token_stats_from_topk(entry.read(b * batch + j), r["topk_idx"], r["topk_logp"],
+                                                      r["target_logp"]))
+                    nll -= float(r["target_logp"].double().sum())
+                    count += r["target_logp"].numel()
+        if entry is not None:
+            out |= acc.summary() | {"windows": n, "top_k": o.top_k, "base_cache": str(entry.folder),
+                                    "seconds": round(time.perf_counter() - t0, 2)}
+        else:
+            out |= {"tokens": count, "windows": n, "ppl": {"model": math.exp(nll / count)}}
+        if prompts:
+            with report.timed("model_generation"):
+                eos = tokenizer.eos_token_id
+                tokens = [t[: t.index(eos)] if eos in t else t for t in engine.generate(rendered, o.gen_tokens)]
+            out["generation"] = generation.compare(base_gen, tokens, tokenizer, prompts) | {
+                "max_new_tokens": o.gen_tokens, "chat_template": bool(getattr(tokenizer, "chat_template", None))}
+    finally:
+        if own:
+            engine.close()
+    return out
 
 
 def scores_ratio(model_value, base_value) -> float | None:

@@ -1,0 +1,1 @@
+"""Serving engines that quantkit's evidence can be measured in, besides its own runtime (vLLM)."""

@@ -1,0 +1,130 @@
+"""vLLM as the engine that measures an artifact: quantkit drives it in a worker process (workers/vllm_serve.py)
+under the interpreter of vLLM's own environment, which pins its own transformers and compressed-tensors.
+
+The interpreter comes from --vllm-python or $QUANTKIT_VLLM_PYTHON (`make vllm-env` builds one). The worker runs vLLM
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a session of its own, so closing it leaves nothing behind; a model
+vLLM refuses, or a worker that dies, ends with one line naming the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantkitError
+
+# run as a script under vLLM's interpreter, from a folder with no module named like a package it imports
+WORKER = Path(__file__).parent / "workers" / "vllm_serve.py"
+HOW = "pass --vllm-python or set QUANTKIT_VLLM_PYTHON to a venv's python with vLLM (make vllm-env builds one)"
+
+
+def interpreter(option: str | None) -> str:
+    python = option or os.environ.get("QUANTKIT_VLLM_PYTHON")
+    if not python:
+        raise QuantkitError(f"--engine vllm: no vLLM environment; {HOW}")
+    if not os.access(python, os.X_OK):
+        raise QuantkitError(f"--vllm-python: {python} is not an executable interpreter; {HOW}")
+    return python
+
+
+# vLLM 0.32 `_FLOAT16_NOT_SUPPORTED_MODELS` (vllm/config/model.py): "Numerical instability"
+NO_FLOAT16 = {"gemma2", "gemma3", "gemma3_text", "glm4"}
+
+
+def serving_dtype(config: dict) -> str:
+    """The dtype vLLM's CPU kernels serve a model's config.json in: W4A16 in float16 (vLLM refuses float32 for
+    it, and bfloat16 drifts); W8A8 int8 in bfloat16, as its int8 GEMM has no float16 path; float16 elsewhere,
+    except the families vLLM refuses float16 for."""
+    groups = (config.get("quantization_config") or {}).get("config_groups", {})
+    acts = [g.get("input_activations") for g in groups.values() if isinstance(g, dict)]
+    int8 = any(a and a.get("type") == "int" for a in acts)
+    return "bfloat16" if int8 or config.get("model_type") in NO_FLOAT16 else "float16"
+
+
+class VllmEngine:
+    """A vLLM worker that serves one model at a time: `with VllmEngine(python) as engine: engine.load(...)`. One
+    worker serves several models in turn; vLLM's import is most of a start (~10 s against ~3 s per tiny model)."""
+
+    def __init__(self, python: str):
+        self.python = python
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+
+    def __enter__(self) -> "VllmEngine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="quantkit-vllm-")
+        self.log = open(Path(self.tmp.name) / "worker.log", "w+")
+        env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
+                            os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen([self.python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env, start_new_session=True)
+
+    def load(self, model: str, dtype: str, max_model_len: int, max_logprobs: int = 20) -> dict:
+        """Serves `model` (a folder) from now on; returns vLLM's version, its quantization method and dtype."""
+        self.info = self._call({"op": "load", "model": str(Path(model).resolve()), "dtype": dtype,
+                                "max_model_len": max_model_len, "max_logprobs": max_logprobs},
+                               f"vLLM refused {model}")
+        return self.info
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            try:  # the worker's session: vLLM's own helpers too
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+            self.log.close()
+            self.tmp.cleanup()
+
+    def _call(self, request: dict, what: str) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            code = self.proc.wait()
+            raise QuantkitError(f"vllm: the worker died (exit code {code}) during {request['op']}: {self._last_error()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise QuantkitError(f"vllm: {what}: {reply['error']}")
+        return reply
+
+    def _last_error(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        lines = [x.strip() for x in self.log.read().splitlines() if x.strip()]
+        errors = [x for x in lines if "Error" in x or "error" in x]
+        return (errors or lines or ["no output"])[-1][-300:]
+
+    def prompt_logprobs(self, windows: torch.Tensor, top_k: int) -> list[dict[str, torch.Tensor]]:
+        """windows [n, seq_len] token ids -> per window topk_idx / topk_logp [seq_len-1, k], target_logp."""
+        src, out = Path(self.tmp.name) / "windows.pt", Path(self.tmp.name) / "logprobs.pt"
+        torch.save(windows.cpu(), src)
+        self._call({"op": "prompt_logprobs", "windows": str(src), "top_k": top_k, "out": str(out)},
+                   "prompt log-probs")
+        result = torch.load(out)
+        out.unlink()
+        return result
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, "generation")["tokens"]

@@ -1,0 +1,107 @@
+"""vLLM in its own environment, driven by quantkit (quantkit/engines/vllm.py) over a pipe: one JSON request per line on
+stdin, one JSON reply per line on the original stdout. Everything else vLLM prints goes to stderr, which the
+driver keeps as the worker's log. Only the standard library, torch and vllm are imported: this file runs under
+the vLLM venv's interpreter, where quantkit is not installed.
+
+Requests: {"op": "load", "model", "dtype", "max_model_len", "max_logprobs"}, {"op": "prompt_logprobs", "windows":
+FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens"}. A reply is {"ok": true, ...} or
+{"error": "one line"}.
+"""
+
+import json
+import os
+import sys
+
+PROTOCOL = os.fdopen(os.dup(1), "w", buffering=1)  # the reply channel; fd 1 then points at stderr
+os.dup2(2, 1)
+
+
+def load(state: dict, req: dict) -> dict:
+    """Serves req's model; one worker serves several models in turn (vLLM's import is most of a start)."""
+    import gc
+
+    import vllm
+    from vllm import LLM
+
+    if "llm" in state:  # the previous engine and its process groups go before the next one sets up its own
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        del state["llm"]
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+    state["llm"] = LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["max_model_len"],
+                       max_logprobs=req["max_logprobs"], enforce_eager=True, max_num_seqs=req.get("max_num_seqs", 16),
+                       seed=0)
+    config = state["llm"].llm_engine.model_config
+    return {"vllm": vllm.__version__, "quantization": config.quantization, "dtype": str(config.dtype)}
+
+
+def prompt_logprobs(state: dict, req: dict) -> dict:
+    """Per window of token ids: the top-k log-probs of every next-token prediction and the log-prob of the token
+    that follows, as quantkit's BaseTopK keeps them."""
+    import torch
+    from vllm import SamplingParams
+
+    windows = torch.load(req["windows"])
+    k = req["top_k"]
+    # flat: a few lists per request instead of a Logprob object per (position, token); no detokenized strings
+    params = SamplingParams(max_tokens=1, prompt_logprobs=k, temperature=0, flat_logprobs=True, detokenize=False)
+    outs = state["llm"].generate([{"prompt_token_ids": w} for w in windows.tolist()], params, use_tqdm=False)
+    result = []
+    for w, o in zip(windows, outs):
+        flat = o.prompt_logprobs  # position 0 predicts nothing and holds no entries
+        counts = torch.tensor(flat.end_indices) - torch.tensor(flat.start_indices)
+        pos = torch.repeat_interleave(torch.arange(len(counts)), counts) - 1  # the prediction of token pos + 1
+        tok, lp = torch.tensor(flat.token_ids), torch.tensor(flat.logprobs)
+        rank = torch.tensor(flat.ranks)
+        n = len(w) - 1
+        idx = torch.zeros(n, k, dtype=torch.int32)
+        logp = torch.full((n, k), float("-inf"))
+        top = rank <= k
+        idx[pos[top], rank[top] - 1] = tok[top].int()
+        logp[pos[top], rank[top] - 1] = lp[top]
+        target = torch.full((n,), float("nan"))
+        hit = tok == w[1:][pos]
+        target[pos[hit]] = lp[hit]
+        result.append({"topk_idx": idx, "topk_logp": logp, "target_logp": target})
+    torch.save(result, req["out"])
+    return {"windows": len(result)}
+
+
+def generate(state: dict, req: dict) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=req["max_tokens"])
+    outs = state["llm"].generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def one_line(err: Exception) -> str:
+    """vLLM's config checks raise pydantic errors whose message is on their second line, under a header."""
+    if callable(getattr(err, "errors", None)):  # pydantic.ValidationError
+        try:
+            return "; ".join(str(e.get("msg", e)) for e in err.errors())
+        except Exception:  # noqa: BLE001 - not pydantic's after all
+            pass
+    text = [x.strip() for x in str(err).splitlines() if x.strip()]
+    return f"{type(err).__name__}: {text[-1] if text else ''}".strip()
+
+
+OPS = {"load": load, "prompt_logprobs": prompt_logprobs, "generate": generate}
+
+
+def main() -> None:
+    state: dict = {}
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply = {"ok": True, **OPS[req["op"]](state, req)}
+        except Exception as err:  # noqa: BLE001 - every failure goes back as one line
+            reply = {"error": one_line(err)}
+        PROTOCOL.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__":
+    main()
