@@ -209,14 +209,18 @@ def _batches(ctx, param, value: str) -> tuple[int, ...]:
                    "auto = quantkit's on x86 CPUs where it builds, else torch's.")
 @click.option("--compile", "compile_", is_flag=True,
               help="Also run each model with a static KV cache and torch.compile (CUDA graphs on GPU), side by side.")
+@click.option("--engine", default="quantkit", show_default=True, type=click.Choice(["quantkit", "vllm"]),
+              help="vllm: serve every model in vLLM (its own venv); --batch is then the number of concurrent "
+                   "requests, and TTFT / inter-token latency / throughput / KV-cache capacity are measured.")
+@click.option("--vllm-python", metavar="PYTHON", help="vLLM's interpreter (default $QUANTKIT_VLLM_PYTHON).")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 @click.option("--json", "json_out", metavar="FILE", help="Write the results (stable keys) here.")
 @click.option("--markdown", "md_out", metavar="FILE", help="Write the markdown tables here.")
 def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, baseline_dtype, reps, int4_backend,
-          compile_, quiet, json_out, md_out) -> None:
+          compile_, engine, vllm_python, quiet, json_out, md_out) -> None:
     """Memory and tokens/s of each ARTIFACT on the device with real low-bit kernels (and of the original with
     --baseline, once), a roofline of each decode run; results also go into each artifact's quantkit.json."""
-    from .bench.runner import BenchOptions, markdown, record_in_manifest, run_bench
+    from .bench import runner, serving
     from .model import resolve_model_path
 
     for artifact in artifacts:
@@ -224,11 +228,18 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
             raise QuantkitError(f"ARTIFACT: not found: {artifact}")
     if baseline:  # checked before minutes of benching, not when its turn comes last
         resolve_model_path(baseline, "--baseline")
-    o = BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len, device=device,
-                     dtype=dtype, baseline_dtype=baseline_dtype, reps=reps, compile=compile_,
-                     int4_backend=int4_backend)
     rep = Reporter(quiet)
-    body = run_bench(list(artifacts), o, rep)
+    if engine == "vllm":
+        o = serving.ServingOptions(baseline=baseline, concurrency=batches, prompt_len=prompt_len, gen_len=gen_len,
+                                   reps=reps, vllm_python=vllm_python)
+        body = serving.run_serving_bench(list(artifacts), o, rep)
+        markdown = serving.markdown
+    else:
+        o = runner.BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len,
+                                device=device, dtype=dtype, baseline_dtype=baseline_dtype, reps=reps,
+                                compile=compile_, int4_backend=int4_backend)
+        body = runner.run_bench(list(artifacts), o, rep)
+        markdown = runner.markdown
     body["versions"] = package_versions()
     table = markdown(body)
     click.echo(table)
@@ -238,7 +249,7 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
         Path(md_out).write_text(table + "\n")
     for artifact in artifacts:
         try:
-            manifest = record_in_manifest(artifact, body)
+            manifest = runner.record_in_manifest(artifact, body, "bench_vllm" if engine == "vllm" else "bench")
         except (OSError, ValueError) as err:
             rep.warn(f"{artifact}: results not recorded in its quantkit.json ({err})")
             continue

@@ -167,11 +167,41 @@ def test_smollm2_in_vllm_matches_quantkit(tmp_path, engine):
     assert body["generation"]["token_agreement"] >= 0.8, body["generation"]["per_prompt"]
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_bench_in_vllm_measures_what_a_server_user_sees(llama, tmp_path):
+    from quantkit.bench.serving import ServingOptions, markdown, run_serving_bench
+
+    artifact = quantize(llama, tmp_path / "w4a16", *FORMATS["ct-w4a16-sym"])
+    o = ServingOptions(baseline=str(llama), concurrency=(1, 4), prompt_len=32, gen_len=8, reps=2, vllm_python=PYTHON)
+    body = run_serving_bench([str(artifact)], o, Reporter(quiet=True))
+    assert [(r["name"], r["concurrency"]) for r in body["runs"]] == [("model", 1), ("model", 4), ("base", 1),
+                                                                     ("base", 4)]
+    for r in body["runs"]:
+        assert r["dtype"] == "float16"
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and 0 < r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
+        assert r["output_tok_s"] == pytest.approx(r["concurrency"] * 8 / r["wall_s"])
+        assert r["kv_capacity_sequences"] == r["kv_capacity_tokens"] // 40 > 0
+    ratio = body["ratios"][0]
+    assert ratio["concurrency"] == 1 and ratio["weight_bytes"] < 0.35  # 4-bit weights; the embeddings stay float16
+    assert ratio["output_tok_s"] == pytest.approx(body["runs"][0]["output_tok_s"] / body["runs"][2]["output_tok_s"])
+    assert "| model `w4a16/compressed-tensors` | float16 | 4 |" in markdown(body)
+
+
 # -- one-line errors, without vLLM --
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "quantkit.cli", *map(str, args)], capture_output=True, text=True,
                           env=env)
+
+
+def test_bench_in_vllm_refuses_what_it_cannot_serve_before_starting(tmp_path):
+    from quantkit.bench.serving import ServingOptions, run_serving_bench
+
+    with pytest.raises(QuantkitError) as err:
+        run_serving_bench([str(tmp_path)], ServingOptions(vllm_python=sys.executable), Reporter(quiet=True))
+    assert str(err.value) == (f"ARTIFACT: vLLM serves a folder with a config.json (a quantkit artifact or an HF "
+                              f"checkpoint); {tmp_path} is not one")
 
 
 def test_no_vllm_environment_is_one_line(tiny_factory):

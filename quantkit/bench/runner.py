@@ -170,12 +170,12 @@ def markdown(body: dict) -> str:
     return "\n".join(lines)
 
 
-def record_in_manifest(artifact: str, body: dict) -> Path | None:
-    """Adds the results under 'bench' in the artifact's quantkit.json (written to a temp file, then renamed)."""
+def record_in_manifest(artifact: str, body: dict, key: str = "bench") -> Path | None:
+    """Adds the results under `key` in the artifact's quantkit.json (written to a temp file, then renamed)."""
     manifest = Path(artifact) / "quantkit.json"
     if not manifest.is_file():
         return None
     data = json.loads(manifest.read_text())
-    data["bench"] = body
+    data[key] = body
     write_json_atomic(manifest, data)
     return manifest

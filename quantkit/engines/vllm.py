@@ -71,11 +71,12 @@ class VllmEngine:
         self.proc = subprocess.Popen([self.python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)
 
-    def load(self, model: str, dtype: str, max_model_len: int, max_logprobs: int = 20) -> dict:
+    def load(self, model: str, dtype: str, max_model_len: int, max_logprobs: int = 20,
+             max_num_seqs: int = 16) -> dict:
         """Serves `model` (a folder) from now on; returns vLLM's version, its quantization method and dtype."""
         self.info = self._call({"op": "load", "model": str(Path(model).resolve()), "dtype": dtype,
-                                "max_model_len": max_model_len, "max_logprobs": max_logprobs},
-                               f"vLLM refused {model}")
+                                "max_model_len": max_model_len, "max_logprobs": max_logprobs,
+                                "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
         return self.info
 
     def close(self) -> None:
@@ -125,6 +126,10 @@ class VllmEngine:
         result = torch.load(out)
         out.unlink()
         return result
+
+    def bench(self, concurrency: list[int], prompt_len: int, gen_len: int, reps: int) -> dict:
+        return self._call({"op": "bench", "concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len,
+                           "reps": reps}, "bench")
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, "generation")["tokens"]

@@ -3,8 +3,9 @@ stdin, one JSON reply per line on the original stdout. Everything else vLLM prin
 driver keeps as the worker's log. Only the standard library, torch and vllm are imported: this file runs under
 the vLLM venv's interpreter, where quantkit is not installed.
 
-Requests: {"op": "load", "model", "dtype", "max_model_len", "max_logprobs"}, {"op": "prompt_logprobs", "windows":
-FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens"}. A reply is {"ok": true, ...} or
+Requests: {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs"}, {"op":
+"prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens"},
+{"op": "bench", "concurrency": [n], "prompt_len", "gen_len", "reps"}. A reply is {"ok": true, ...} or
 {"error": "one line"}.
 """
 
@@ -89,7 +90,54 @@ def one_line(err: Exception) -> str:
     return f"{type(err).__name__}: {text[-1] if text else ''}".strip()
 
 
-OPS = {"load": load, "prompt_logprobs": prompt_logprobs, "generate": generate}
+def _timed_run(llm, prompts: list[list[int]], params) -> dict:
+    """All prompts at once through the engine's continuous batching, stepping it as LLM.generate does, with the
+    time each request's every token appeared: TTFT = first token - submission, ITL = the gaps after it."""
+    import time
+
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}-{start}", {"prompt_token_ids": p}, params)
+    seen: dict[str, list[float]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            times = seen.setdefault(out.request_id, [])
+            times += [now] * (len(out.outputs[0].token_ids) - len(times))
+    wall = time.perf_counter() - start
+    ttft = [t[0] - start for t in seen.values() if t]
+    itl = [b - a for t in seen.values() for a, b in zip(t, t[1:])]
+    return {"wall_s": wall, "tokens": sum(len(t) for t in seen.values()), "ttft_s": ttft, "itl_s": itl}
+
+
+def bench(state: dict, req: dict) -> dict:
+    """Per concurrency: `concurrency` requests of random prompt ids, `gen_len` tokens each (ignore_eos), timed
+    `reps` times after one warm-up; plus one bare LLM.generate of the same work, for the driver's overhead; and the
+    KV-cache capacity vLLM allotted."""
+    import random
+    import time
+
+    from vllm import SamplingParams
+
+    llm = state["llm"]
+    rng = random.Random(0)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    params = SamplingParams(temperature=0, max_tokens=req["gen_len"], ignore_eos=True, detokenize=False)
+    runs = []
+    for c in req["concurrency"]:
+        prompts = [[rng.randrange(10, vocab) for _ in range(req["prompt_len"])] for _ in range(c)]
+        _timed_run(llm, prompts, params)  # warm-up
+        reps = [_timed_run(llm, prompts, params) for _ in range(req["reps"])]
+        t0 = time.perf_counter()
+        # a copy: LLM.generate sets its params' output_kind to FINAL_ONLY, which would hide the token times
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params.clone(), use_tqdm=False)
+        runs.append({"concurrency": c, "reps": reps, "bare_generate_s": time.perf_counter() - t0})
+    cache = llm.llm_engine.vllm_config.cache_config
+    return {"runs": runs, "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
+
+
+OPS = {"load": load, "prompt_logprobs": prompt_logprobs, "generate": generate, "bench": bench}
 
 
 def main() -> None:
