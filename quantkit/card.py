@@ -37,8 +37,12 @@ def _quality(ev: dict | None) -> list[str]:
     if not ev:
         return ["Not evaluated."]
     ppl, kld = ev.get("ppl", {}), ev.get("kld") or {}
-    lines = [f"Perplexity on {ev.get('dataset')}, {ev.get('tokens', '?')} tokens in windows of {ev.get('seq_len')}; "
-             f"KLD against the original's full next-token distributions (top-{ev.get('top_k', '?')} + rest).", "",
+    engine = ev.get("engine") or {"name": "quantkit"}
+    where = (f"Measured in vLLM {engine.get('version')} ({ev.get('dtype')}; the original in quantkit's runtime). "
+             if engine["name"] == "vllm" else "Measured in quantkit's runtime. ")
+    lines = [where + f"Perplexity on {ev.get('dataset')}, {ev.get('tokens', '?')} tokens in windows of "
+             f"{ev.get('seq_len')}; KLD against the original's full next-token distributions "
+             f"(top-{ev.get('top_k', '?')} + rest).", "",
              "| metric | this artifact | original |", "|---|---:|---:|",
              f"| perplexity | {ppl.get('model', float('nan')):.4f} | {ppl.get('base', float('nan')):.4f} |"]
     if kld:
@@ -55,9 +59,31 @@ def _quality(ev: dict | None) -> list[str]:
     return lines
 
 
+def _serving(bench: dict, artifact: str) -> list[str]:
+    s = bench["settings"]
+    lines = [f"Served by vLLM {bench['engine']['version']}: {s['prompt_len']}-token prompts, {s['gen_len']} generated "
+             f"tokens per request, median of {s['reps']} runs.", "",
+             "| model | dtype | concurrent requests | output tok/s | TTFT p50 ms | ITL p50 ms | decode tok/s per "
+             "sequence | weights MB | KV capacity (sequences) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in bench["runs"]:
+        name = "this artifact" if r["name"] == "model" else "original"
+        lines.append(f"| {name} | {r['dtype']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} "
+                     f"| {r['itl_ms']['p50']:.1f} | {r['decode_tok_s_per_seq']:.1f} | {r['weight_bytes'] / 1e6:.1f} "
+                     f"| {r['kv_capacity_sequences']} |")
+    for q in bench.get("ratios", []):
+        if q["path"] == artifact:
+            lines.append(f"\n{q['concurrency']} concurrent: throughput {q['throughput_speedup']:.2f}×, decode "
+                         f"{q['decode_speedup']:.2f}× the original's in vLLM; weights {100 * q['weight_bytes_ratio']:.1f} %.")
+    run = next(r for r in bench["runs"] if r["name"] == "model")
+    return lines + ["", "Reproduce: `vllm serve {} --dtype {} --max-model-len {}`.".format(
+        artifact, run["dtype"], s["prompt_len"] + s["gen_len"])]
+
+
 def _speed(bench: dict | None, artifact: str) -> list[str]:
     if not bench:
         return ["Not benchmarked."]
+    if (bench.get("engine") or {}).get("name") == "vllm":
+        return _serving(bench, artifact)
     mb = 1e6
     lines = [f"Device: {bench['device_name']}; prompt {bench['settings']['prompt_len']} tokens, "
              f"{bench['settings']['gen_len']} generated, median of {bench['settings']['reps']}.", "",

@@ -49,8 +49,9 @@ def task_quality_ratio(task: dict) -> tuple[str, float | None, float | None]:
 
 
 def _speed(bench: dict | None, artifact: str | None, batch: int, key: str) -> float | None:
-    for r in (bench or {}).get("ratios", []):
-        if r["variant"] == "eager" and r["batch"] == batch and (artifact is None or r["path"] == artifact):
+    for r in (bench or {}).get("ratios", []):  # quantkit's bench: eager runs per batch; vLLM's: per concurrency
+        if r.get("variant", "eager") == "eager" and r.get("batch", r.get("concurrency")) == batch and \
+                (artifact is None or r["path"] == artifact):
             return r[key]
     return None
 

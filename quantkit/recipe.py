@@ -194,15 +194,25 @@ class ReleaseEval(_Strict):
     limit: int | None = Field(None, ge=1)
     generation: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # what runs the artifact: quantkit's runtime, or vLLM ($QUANTKIT_VLLM_PYTHON); the base always runs in quantkit
+    engine: Literal["quantkit", "vllm"] = "quantkit"
+
+    @model_validator(mode="after")
+    def _tasks_in_quantkit(self):
+        if self.engine == "vllm" and self.tasks:
+            raise PydanticCustomError("engine", "tasks: lm-eval tasks run with engine: quantkit only")
+        return self
 
 
 class ReleaseBench(_Strict):
     enabled: bool = True
-    batches: list[int] = Field([1], min_length=1)
+    batches: list[int] = Field([1], min_length=1)  # vllm: concurrent requests
     prompt_len: int = Field(512, ge=1)
     gen_len: int = Field(64, ge=1)
     reps: int = Field(3, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # vllm: throughput, TTFT / ITL and KV capacity in vLLM, against the original when it is a folder vLLM serves
+    engine: Literal["quantkit", "vllm"] = "quantkit"
 
 
 class Release(_Strict):

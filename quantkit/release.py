@@ -115,7 +115,7 @@ class Release:
 
         e = self.recipe.release.eval
         o = EvalOptions(base=self.recipe.model, dataset=e.dataset, seq_len=e.seq_len, max_tokens=e.max_tokens,
-                        device=e.device, tasks=list(e.tasks), limit=e.limit, generation=e.generation)
+                        device=e.device, tasks=list(e.tasks), limit=e.limit, generation=e.generation, engine=e.engine)
         key = self._artifact_key(asdict(o), e.device, data_fingerprint(e.dataset, "eval", "release.eval.dataset"))
         return self._step("eval", key, lambda r: True, lambda: evaluate(str(self.artifact), o, self.report))
 
@@ -126,6 +126,8 @@ class Release:
         if not b.enabled:
             self.steps["bench"] = "disabled (release.bench.enabled: false)"
             return None
+        if b.engine == "vllm":
+            return self._bench_in_vllm(b)
         o = BenchOptions(baseline=self.recipe.model, batches=tuple(b.batches), prompt_len=b.prompt_len,
                          gen_len=b.gen_len, device=b.device, reps=b.reps)
         key = self._artifact_key(asdict(o), b.device)
@@ -137,8 +139,32 @@ class Release:
 
         return self._step("bench", key, lambda r: True, run)
 
+    def _bench_in_vllm(self, b) -> dict:
+        from .bench.runner import record_in_manifest
+        from .bench.serving import ServingOptions, run_serving_bench
+
+        # vLLM serves folders: an original given as a GGUF file or a hub id is benched without ratios
+        base = self.recipe.model if (Path(self.recipe.model) / "config.json").is_file() else None
+        o = ServingOptions(baseline=base, concurrency=tuple(b.batches), prompt_len=b.prompt_len, gen_len=b.gen_len,
+                           reps=b.reps)
+        key = self._artifact_key(asdict(o) | {"engine": "vllm"}, "cpu")
+
+        def run() -> dict:
+            body = run_serving_bench([str(self.artifact)], o, self.report)
+            record_in_manifest(str(self.artifact), body, "bench_vllm")
+            return body
+
+        return self._step("bench", key, lambda r: True, run)
+
     def run(self) -> dict:
         start = time.perf_counter()
+        r = self.recipe.release
+        for field, engine in (("release.eval.engine", r.eval.engine),
+                              ("release.bench.engine", r.bench.engine if r.bench.enabled else None)):
+            if engine == "vllm":  # before minutes of quantizing
+                from .engines.vllm import interpreter
+
+                interpreter(None, f"{field}: vllm")
         quantized = self.quantize()
         ev = self.evaluate()
         bench = self.bench()

@@ -11,6 +11,7 @@ without one, the tests that need it skip. The one-line errors are checked withou
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -183,9 +184,44 @@ def test_bench_in_vllm_measures_what_a_server_user_sees(llama, tmp_path):
         assert r["output_tok_s"] == pytest.approx(r["concurrency"] * 8 / r["wall_s"])
         assert r["kv_capacity_sequences"] == r["kv_capacity_tokens"] // 40 > 0
     ratio = body["ratios"][0]
-    assert ratio["concurrency"] == 1 and ratio["weight_bytes"] < 0.35  # 4-bit weights; the embeddings stay float16
-    assert ratio["output_tok_s"] == pytest.approx(body["runs"][0]["output_tok_s"] / body["runs"][2]["output_tok_s"])
+    assert ratio["concurrency"] == 1 and ratio["weight_bytes_ratio"] < 0.35  # 4-bit; the embeddings stay float16
+    assert ratio["throughput_speedup"] == pytest.approx(body["runs"][0]["output_tok_s"] /
+                                                        body["runs"][2]["output_tok_s"])
     assert "| model `w4a16/compressed-tensors` | float16 | 4 |" in markdown(body)
+
+
+VLLM_RELEASE = ("release: {eval: {dataset: %s, seq_len: 128, max_tokens: 1024, engine: vllm}, "
+                "bench: {batches: [1, 4], prompt_len: 32, gen_len: 8, reps: 1, engine: vllm}}\n"
+                "gates: {ppl_increase_pct: 50, kld_mean_max: 1.0, weight_bytes_ratio_max: 0.5, decode_speedup_min: 0.01}")
+
+
+def release_recipe(model: Path, tmp_path: Path) -> Path:
+    text = tmp_path / "wiki-test-head.txt"
+    text.write_text((REPO / "evals" / "data" / "wikitext-2-raw" / "wiki.test.raw").read_text()[:40000])
+    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", "gptq: " + W4 % ("true", "false"),
+                          ("compressed-tensors",), extra=", dtype: float16")
+    recipe.write_text(recipe.read_text() + VLLM_RELEASE % text)
+    return recipe
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_release_measures_and_gates_inside_vllm(llama, tmp_path, monkeypatch):
+    from conftest import run_cli
+
+    monkeypatch.setenv("QUANTKIT_VLLM_PYTHON", PYTHON)
+    assert run_cli(monkeypatch, "release", release_recipe(llama, tmp_path), "--quiet") == 0
+    report = json.loads((tmp_path / "out" / "release" / "report.json").read_text())
+    assert report["eval"]["engine"]["name"] == "vllm" and report["bench"]["engine"]["name"] == "vllm"
+    measured = {r["name"]: r["measured"] for r in report["gates"]["results"]}
+    assert measured["decode_speedup_min"] == report["bench"]["ratios"][0]["decode_speedup"]
+    assert measured["weight_bytes_ratio_max"] == report["bench"]["ratios"][0]["weight_bytes_ratio"] < 0.35
+    card = (tmp_path / "out" / "compressed-tensors" / "README.md").read_text()
+    assert f"Measured in vLLM {report['eval']['engine']['version']} (float16" in card
+    assert f"Reproduce: `vllm serve {tmp_path / 'out' / 'compressed-tensors'} --dtype float16 --max-model-len 40`" \
+        in card
+    manifest = json.loads((tmp_path / "out" / "compressed-tensors" / "quantkit.json").read_text())
+    assert manifest["bench_vllm"]["runs"] == report["bench"]["runs"]
 
 
 # -- one-line errors, without vLLM --
@@ -202,6 +238,25 @@ def test_bench_in_vllm_refuses_what_it_cannot_serve_before_starting(tmp_path):
         run_serving_bench([str(tmp_path)], ServingOptions(vllm_python=sys.executable), Reporter(quiet=True))
     assert str(err.value) == (f"ARTIFACT: vLLM serves a folder with a config.json (a quantkit artifact or an HF "
                               f"checkpoint); {tmp_path} is not one")
+
+
+def test_a_release_asking_for_vllm_without_it_stops_before_quantizing(tiny_factory, tmp_path, monkeypatch, capsys):
+    from conftest import run_cli
+
+    monkeypatch.delenv("QUANTKIT_VLLM_PYTHON", raising=False)
+    assert run_cli(monkeypatch, "release", release_recipe(tiny_factory("llama"), tmp_path), "--quiet") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: release.eval.engine: vllm: no vLLM environment; pass --vllm-python or set QUANTKIT_VLLM_PYTHON to "
+        "a venv's python with vLLM (make vllm-env builds one)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_release_cannot_run_lm_eval_tasks_in_vllm(tmp_path):
+    (tmp_path / "r.yaml").write_text("model: x\nstages:\n  - rtn: {bits: 4}\nexport: {output: out}\n"
+                                     "release: {eval: {engine: vllm, tasks: [arc_easy]}}\n")
+    run = cli("release", tmp_path / "r.yaml")
+    assert run.returncode == 2 and run.stderr.strip() == (
+        f"error: {tmp_path / 'r.yaml'}: release.eval: tasks: lm-eval tasks run with engine: quantkit only")
 
 
 def test_no_vllm_environment_is_one_line(tiny_factory):

@@ -24,12 +24,14 @@ WORKER = Path(__file__).parent / "workers" / "vllm_serve.py"
 HOW = "pass --vllm-python or set QUANTKIT_VLLM_PYTHON to a venv's python with vLLM (make vllm-env builds one)"
 
 
-def interpreter(option: str | None) -> str:
+def interpreter(option: str | None, what: str = "--engine vllm") -> str:
+    """vLLM's python: --vllm-python, else $QUANTKIT_VLLM_PYTHON; what: the option or field that asked for vLLM."""
     python = option or os.environ.get("QUANTKIT_VLLM_PYTHON")
     if not python:
-        raise QuantkitError(f"--engine vllm: no vLLM environment; {HOW}")
+        raise QuantkitError(f"{what}: no vLLM environment; {HOW}")
     if not os.access(python, os.X_OK):
-        raise QuantkitError(f"--vllm-python: {python} is not an executable interpreter; {HOW}")
+        source = "--vllm-python" if option else "QUANTKIT_VLLM_PYTHON"
+        raise QuantkitError(f"{source}: {python} is not an executable interpreter; {HOW}")
     return python
 
 
