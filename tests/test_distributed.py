@@ -148,11 +148,10 @@ W8A8 = ("gptq: {bits: 8, group_size: -1, sym: true, "
 
 @pytest.mark.parametrize("stages,formats", [
     ("awq: {bits: 4, group_size: 32, zero_point: true}\n  - " + GPTQ, ("gptq",)),
-    ("awq: {bits: 4, group_size: 32, zero_point: true}", ("awq",)),
     ("smoothquant: {alpha: 0.5}\n  - " + W8A8, ("compressed-tensors",)),  # smoothed inside gptq's forward
     ("smoothquant: {alpha: 0.5}\n  - rtn: {bits: 8, group_size: -1, sym: true, "
      "activations: {bits: 8, type: int, dynamic: true, strategy: token}}", ("compressed-tensors",)),
-], ids=["awq+gptq", "awq", "sq+gptq", "sq+rtn"])
+], ids=["awq+gptq", "sq+gptq", "sq+rtn"])  # AWQ as the weight stage runs the same pass before RTN
 def test_two_ranks_reduce_awq_and_smoothquant_statistics_to_the_one_process_artifact(four_layers, tmp_path,
                                                                                      stages, formats):
     """AWQ's channel sums, Gram matrices and scale-search errors and SmoothQuant's max |x| are reduced over the ranks

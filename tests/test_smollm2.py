@@ -40,13 +40,13 @@ def test_gptq_beats_rtn_on_smollm2(smollm2_hf, tmp_path, monkeypatch):
     for name, stage in (("gptq", "gptq: {bits: 4, group_size: 64, sym: true, act_order: true}"),
                         ("rtn", "rtn: {bits: 4, group_size: 64, sym: true}")):
         recipe = write_recipe(tmp_path / f"{name}.yaml", smollm2_hf, tmp_path / name, stage,
-                              formats=("compressed-tensors",), samples=32, seq_len=512)
+                              formats=("compressed-tensors",), samples=16, seq_len=512)
         assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
     res = {}
     for name in ("gptq", "rtn"):
         out = tmp_path / f"{name}.json"
         assert run_cli(monkeypatch, "eval", tmp_path / name / "compressed-tensors", "--base", smollm2_hf,
-                       "--seq-len", 2048, "--max-tokens", 16384, "--no-generation", "--cache-dir", tmp_path / "cache",
+                       "--seq-len", 2048, "--max-tokens", 8192, "--no-generation", "--cache-dir", tmp_path / "cache",
                        "--quiet", "--json", out) == 0
         res[name] = json.loads(out.read_text())
     ppl = {"base": res["gptq"]["ppl"]["base"], "gptq": res["gptq"]["ppl"]["model"], "rtn": res["rtn"]["ppl"]["model"]}
@@ -54,7 +54,8 @@ def test_gptq_beats_rtn_on_smollm2(smollm2_hf, tmp_path, monkeypatch):
     print(ppl, kld, file=sys.stderr)
     assert res["rtn"]["base_cache_hit"]["logits"]  # the original ran once for both
     assert ppl["base"] < ppl["gptq"] < ppl["rtn"], ppl
-    # GPTQ recovers a real share of RTN's loss (measured: 20.71 / 25.68 / 29.46 on 16 windows)
+    # GPTQ recovers a real share of RTN's loss (measured with 16 x 512 calibration, 4 windows: ppl 24.15 / 30.33 /
+    # 35.84, KLD 0.216 vs 0.416)
     assert (ppl["gptq"] - ppl["base"]) < 0.8 * (ppl["rtn"] - ppl["base"]), ppl
     assert kld["gptq"] < 0.8 * kld["rtn"], kld
     assert res["gptq"]["same_top"] > res["rtn"]["same_top"]

@@ -97,7 +97,7 @@ class SmoothQuantPass:
                 warnings.append(self._unreached(i, m))
                 continue
             if x is None:  # reached on another rank only
-                x = torch.zeros(m.linears[0].in_features)
+                x = torch.zeros(m.linears[0].weight.shape[-1])  # a router is no nn.Linear
             self._fold(i, m, self.ranks.all_reduce(x, "max"))
         return warnings
 
@@ -297,7 +297,7 @@ class AwqPass:
         count = int(self.ranks.all_reduce(torch.tensor([float(st["count"])], dtype=torch.float64)).item())
         if not count:
             return None
-        channels = m.linears[0].in_features
+        channels = m.linears[0].weight.shape[-1]  # a router (its first Linear) is no nn.Linear
         total = st["sum"] if st["count"] else torch.zeros(channels, dtype=torch.float64)
         st["mean"] = (self.ranks.all_reduce(total) / count).float()
         if len(m.linears) == 1 and m.inspect is m.linears[0]:
