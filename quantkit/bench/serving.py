@@ -11,13 +11,11 @@ one vLLM worker, one after the other, on the same random prompts:
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engines.vllm import VllmEngine, interpreter, serving_dtype
-from ..errors import QuantkitError
+from ..engines.vllm import VllmEngine, interpreter, served_config, serving_dtype
 from ..progress import Reporter
 
 
@@ -34,14 +32,6 @@ class ServingOptions:
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
-
-
-def _served(path: str, what: str) -> dict:
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        raise QuantkitError(f"{what}: vLLM serves a folder with a config.json (a quantkit artifact or an HF "
-                            f"checkpoint); {path} is not one")
-    return json.loads(cfg.read_text())
 
 
 def _summary(name: str, path: str, dtype: str, raw: dict, o: ServingOptions) -> list[dict]:
@@ -85,9 +75,9 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def run_serving_bench(artifacts: list[str], o: ServingOptions, rep: Reporter) -> dict:
     python = interpreter(o.vllm_python)
-    dtypes = {a: serving_dtype(_served(a, "ARTIFACT")) for a in artifacts}
+    dtypes = {a: serving_dtype(served_config(a, "ARTIFACT")) for a in artifacts}
     if o.baseline:
-        _served(o.baseline, "--baseline")
+        served_config(o.baseline, "--baseline")
     todo = [("model", a, dtypes[a]) for a in artifacts]
     # the original once per dtype the artifacts run in: every ratio compares like with like
     todo += [("base", o.baseline, d) for d in dict.fromkeys(dtypes.values())] if o.baseline else []

@@ -35,6 +35,15 @@ def interpreter(option: str | None, what: str = "--engine vllm") -> str:
     return python
 
 
+def served_config(path: str, what: str) -> dict:
+    """The config.json of a folder vLLM can serve (an artifact or an HF checkpoint; not a GGUF file, not a hub id)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise QuantkitError(f"{what}: vLLM serves a folder with a config.json (a quantkit artifact or an HF "
+                            f"checkpoint); {path} is not one")
+    return json.loads(cfg.read_text())
+
+
 # vLLM 0.32 `_FLOAT16_NOT_SUPPORTED_MODELS` (vllm/config/model.py): "Numerical instability"
 NO_FLOAT16 = {"gemma2", "gemma3", "gemma3_text", "glm4"}
 

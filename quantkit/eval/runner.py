@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -121,15 +120,18 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
     start = time.perf_counter()
     vllm = o.engine == "vllm"
     if vllm:
-        from ..engines.vllm import interpreter
+        from transformers import AutoTokenizer
+
+        from ..engines.vllm import interpreter, served_config, serving_dtype
 
         python = engine.python if engine is not None else interpreter(o.vllm_python)
+        vllm_dtype = serving_dtype(served_config(model_path, "MODEL"))
         if o.tasks:
             raise QuantkitError("--tasks: lm-eval tasks run in quantkit's engine only; drop --tasks or use "
                                 "--engine quantkit")
     with report.timed("load"):
         loaded = None if vllm else runtime.load(model_path, o.dtype)
-        tokenizer = _served_tokenizer(model_path) if vllm else loaded.tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_path) if vllm else loaded.tokenizer
     ids = eval_tokens(tokenizer, o.dataset, o.max_tokens)
     prompts = generation.load_prompts(o.gen_prompts) if (o.base and o.generation) else []
     size, size_source = weight_bytes(model_path, None if vllm else loaded.model)
@@ -188,7 +190,7 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
 
     if vllm:  # phase 2 in vLLM: the same windows and prompts, scored against the same cached base
         body.update(_vllm_measurements(model_path, o, ids, entry if o.base else None, prompts, base_gen, tokenizer,
-                                       report, python, engine))
+                                       report, python, vllm_dtype, engine))
         body["timings_s"] = dict(report.timings) | {"total": round(time.perf_counter() - start, 2)}
         return body
     loaded.model.to(device)  # phase 2: the model
@@ -218,23 +220,13 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
     return body
 
 
-def _served_tokenizer(model_path: str):
-    """The tokenizer of a folder vLLM serves (an artifact or an HF checkpoint; vLLM does not serve GGUF here)."""
-    if not (Path(model_path) / "config.json").is_file():
-        raise QuantkitError(f"--engine vllm: {model_path} is not a folder with a config.json (a quantkit artifact or "
-                            "an HF checkpoint)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
-
 def _vllm_measurements(model_path: str, o: EvalOptions, ids: torch.Tensor, entry, prompts: list[str],
-                       base_gen: list[list[int]] | None, tokenizer, report: Reporter, python: str, engine) -> dict:
+                       base_gen: list[list[int]] | None, tokenizer, report: Reporter, python: str, dtype: str,
+                       engine) -> dict:
     """Perplexity (and with a base, KLD / same-top / delta p) from vLLM's prompt log-probs over exactly quantkit's
     windows; generation agreement from vLLM's greedy outputs. vLLM's dtype follows the format (serving_dtype)."""
-    from ..engines.vllm import VllmEngine, serving_dtype
+    from ..engines.vllm import VllmEngine
 
-    dtype = serving_dtype(json.loads((Path(model_path) / "config.json").read_text()))
     rendered = [tokenizer(generation.render(tokenizer, p), add_special_tokens=not tokenizer.chat_template)["input_ids"]
                 for p in prompts]
     n = num_windows(ids, o.seq_len)
