@@ -122,3 +122,30 @@ def test_quantize_many_is_each_weight_quantized_alone_bit_for_bit():
     for (one, loss), (many, many_loss) in zip([solver.quantize(w) for w in weights], solver.quantize_many(weights)):
         assert torch.equal(one.codes, many.codes) and torch.equal(one.scale, many.scale)
         assert torch.equal(one.zero, many.zero) and many_loss == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("spec", [GridSpec(4, 64, True), GridSpec(4, 64, False), GridSpec(3, -1, True)], ids=str)
+def test_mse_observer_clips_outliers_and_never_loses_to_minmax(spec):
+    from quantkit.algorithms.grid import find_params, mse_params, quantize_codes
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    w[torch.arange(64), torch.randint(0, 64, (64,), generator=g)] *= 8  # one outlier per row stretches min-max
+    rows = w.reshape(-1, spec.span(128))
+
+    def err(params):
+        s, z = params
+        return ((quantize_codes(rows, s[:, None], z[:, None], spec.maxq) - z[:, None]) * s[:, None] - rows).abs()
+
+    minmax, mse = err(find_params(rows, spec)), err(mse_params(rows, spec))
+    assert torch.all(mse.pow(2.4).sum(1) <= minmax.pow(2.4).sum(1) * (1 + 1e-6))  # p = 1 is a candidate
+    assert float(mse.square().mean()) < 0.97 * float(minmax.square().mean())  # clipping the outlier pays
+    # in RTN and GPTQ: the same grid search, chosen by `observer`
+    assert float((rtn_quantize(w, spec, "mse").dequantize() - w).square().mean()) == pytest.approx(
+        float(mse.square().mean()), rel=1e-5)
+    x = correlated_inputs()
+    h = Hessian(128)
+    h.add(x)
+    gptq_mse, _ = GPTQ(h.value(), spec, act_order=True, observer="mse").quantize(w)
+    gptq, _ = GPTQ(h.value(), spec, act_order=True).quantize(w)
+    assert output_error(x, w, gptq_mse) < output_error(x, w, gptq)

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .grid import SCALE_DTYPE, GridSpec, QuantizedWeight, find_params, quantize_codes
+from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
 
 
 class NotPositiveDefinite(RuntimeError):
@@ -90,10 +90,11 @@ class GPTQ:
         block_size: int = 128,
         act_order: bool = False,
         warn: Callable[[str], None] = lambda msg: None,
+        observer: str = "minmax",
     ):
         h = hessian.float().clone()
         del hessian  # the caller's may be a temporary: freed here rather than after the factorization
-        self.spec, self.block_size = spec, block_size
+        self.spec, self.block_size, self.find_params = spec, block_size, OBSERVERS[observer]
         self.dead = torch.diag(h) == 0  # inputs that never fired: their weights cannot matter
         h[self.dead, self.dead] = 1
         cols = h.shape[0]
@@ -145,7 +146,7 @@ class GPTQ:
             for i in range(i2 - i1):
                 col = i1 + i
                 if col % span == 0:  # a new group starts: grid from its current (error-updated) weights
-                    s, z = find_params(torch.cat([w1[i:], wt[i2:]])[:span].T, spec)
+                    s, z = self.find_params(torch.cat([w1[i:], wt[i2:]])[:span].T, spec)
                     g = (int(perm[col]) if perm is not None else col) // span
                     scale[g], zero[g] = s, z
                 q = quantize_codes(w1[i], s, z, spec.maxq)

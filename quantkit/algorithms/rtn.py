@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .grid import SCALE_DTYPE, GridSpec, QuantizedWeight, find_params, quantize_codes
+from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
 
 
-def rtn_quantize(weight: torch.Tensor, spec: GridSpec) -> QuantizedWeight:
+def rtn_quantize(weight: torch.Tensor, spec: GridSpec, observer: str = "minmax") -> QuantizedWeight:
     out, cols = weight.shape
     span, groups = spec.span(cols), spec.groups(cols)
     w = weight.float().reshape(out * groups, span)  # one row per (output row, group)
-    scale, zero = find_params(w, spec)
+    scale, zero = OBSERVERS[observer](w, spec)
     codes = quantize_codes(w, scale[:, None], zero[:, None], spec.maxq)
     return QuantizedWeight(
         codes=codes.reshape(out, cols).to(torch.uint8),
