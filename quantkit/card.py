@@ -36,26 +36,29 @@ def _num(v: float | None) -> str:
 def _quality(ev: dict | None) -> list[str]:
     if not ev:
         return ["Not evaluated."]
-    ppl, kld = ev.get("ppl", {}), ev.get("kld") or {}
     engine = ev.get("engine") or {"name": "quantkit"}
     where = (f"Measured in vLLM {engine.get('version')} ({ev.get('dtype')}; the original in quantkit's runtime). "
              if engine["name"] == "vllm" else "Measured in quantkit's runtime. ")
-    lines = [where + f"Perplexity on {ev.get('dataset')}, {ev.get('tokens', '?')} tokens in windows of "
-             f"{ev.get('seq_len')}; KLD against the original's full next-token distributions "
-             f"(top-{ev.get('top_k', '?')} + rest).", "",
-             "| metric | this artifact | original |", "|---|---:|---:|",
-             f"| perplexity | {ppl.get('model', float('nan')):.4f} | {ppl.get('base', float('nan')):.4f} |"]
-    if kld:
-        lines += [f"| KLD mean ± stderr | {kld['mean']:.5f} ± {kld['stderr']:.5f} | 0 |",
-                  f"| KLD p99 | {kld['p99']:.4f} | 0 |",
-                  f"| same top-1 token | {100 * ev['same_top']:.2f} % | 100 % |"]
+    lines = [where + f"Every domain's text in windows of {ev.get('seq_len')} tokens; KLD against the original's full "
+             f"next-token distributions (top-{ev.get('top_k', '?')} + rest). `self` is text the original wrote.", "",
+             "| domain | tokens | perplexity | original | KLD mean ± stderr | KLD p99 | same top-1 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for d, m in (ev.get("domains") or {}).items():
+        ppl, kld = m.get("ppl", {}), m.get("kld") or {}
+        lines.append(f"| {d} | {m.get('tokens', '?')} | {ppl.get('model', float('nan')):.4f} | "
+                     f"{ppl.get('base', float('nan')):.4f} | "
+                     + (f"{kld['mean']:.5f} ± {kld['stderr']:.5f} | {kld['p99']:.4f} | {100 * m['same_top']:.2f} % |"
+                        if kld else "- | - | - |"))
+    extra = []
     for task, t in (ev.get("tasks") or {}).items():
         metric, score, ratio = gate_checks.task_quality_ratio(t)
         base = (t.get("base") or {}).get(metric)
-        lines.append(f"| {task} {metric} | {_num(score)} | {_num(base)} |")
+        extra.append(f"| {task} {metric} | {_num(score)} | {_num(base)} |")
     if ev.get("generation"):
         g = ev["generation"]
-        lines.append(f"| greedy generation token agreement | {100 * g['token_agreement']:.1f} % | 100 % |")
+        extra.append(f"| greedy generation token agreement | {100 * g['token_agreement']:.1f} % | 100 % |")
+    if extra:
+        lines += ["", "| metric | this artifact | original |", "|---|---:|---:|", *extra]
     return lines
 
 

@@ -61,8 +61,11 @@ def eval_options(fn):
     opts = [
         click.option("--base", metavar="ORIGINAL", help="The original model: adds KLD / top-token / Δp, task ratios "
                      "and generation agreement. Its results are cached on disk."),
-        click.option("--dataset", default="wikitext2", show_default=True,
-                     help="wikitext2 (bundled test split) or a .txt/.raw/.jsonl/.parquet file."),
+        click.option("--dataset", "datasets", multiple=True, default=["wikitext2"], show_default=True,
+                     help="Repeatable. A bundled domain's test split (wikitext2, fiction, code, chat, math), self "
+                     "(text the base writes), suite (all of them) or a .txt/.raw/.jsonl/.parquet file."),
+        click.option("--self-tokens", default=8192, show_default=True, type=click.IntRange(min=2),
+                     help="Tokens of the self domain (sampled from the base once, then cached)."),
         click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=2)),
         click.option("--max-tokens", type=click.IntRange(min=2), help="Evaluate only the first N tokens."),
         click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
@@ -100,7 +103,7 @@ def _options(kw: dict):
     from .eval.runner import EvalOptions
     from .eval.tasks import parse_tasks
 
-    return EvalOptions(base=kw["base"], dataset=kw["dataset"], seq_len=kw["seq_len"], max_tokens=kw["max_tokens"],
+    return EvalOptions(base=kw["base"], datasets=list(kw["datasets"]), self_tokens=kw["self_tokens"], seq_len=kw["seq_len"], max_tokens=kw["max_tokens"],
                        dtype=kw["dtype"], device=kw["device"], tasks=parse_tasks(kw["tasks"]), limit=kw["limit"],
                        num_fewshot=kw["num_fewshot"], batch_size=kw["batch_size"], top_k=kw["top_k"],
                        generation=kw["generation"], gen_prompts=kw["gen_prompts"], gen_tokens=kw["gen_tokens"],
@@ -109,18 +112,21 @@ def _options(kw: dict):
 
 
 def _summary_line(body: dict) -> str:
-    line = f"{body['model']}: {body['dataset']} perplexity {body['ppl']['model']:.4f}"
-    if body.get("kld"):
-        line += (f" (base {body['ppl']['base']:.4f}); KLD {body['kld']['mean']:.5f} ± {body['kld']['stderr']:.5f}, "
-                 f"p99 {body['kld']['p99']:.4f}; same top {100 * body['same_top']:.2f} %")
+    parts = []
+    for d, m in body["domains"].items():
+        line = f"{d} perplexity {m['ppl']['model']:.4f}"
+        if m.get("kld"):
+            line += (f" (base {m['ppl']['base']:.4f}), KLD {m['kld']['mean']:.5f} ± {m['kld']['stderr']:.5f}, "
+                     f"p99 {m['kld']['p99']:.4f}, same top {100 * m['same_top']:.2f} %")
+        parts.append(line)
     for t, v in (body.get("tasks") or {}).items():
         for m in ("acc", "word_perplexity"):
             if m in v["model"]:
                 base = v.get("base", {}).get(m)
-                line += f"; {t} {m} {v['model'][m]:.4f}" + (f" (base {base:.4f})" if base is not None else "")
+                parts.append(f"{t} {m} {v['model'][m]:.4f}" + (f" (base {base:.4f})" if base is not None else ""))
     if body.get("generation"):
-        line += f"; generation agreement {100 * body['generation']['token_agreement']:.1f} %"
-    return line
+        parts.append(f"generation agreement {100 * body['generation']['token_agreement']:.1f} %")
+    return f"{body['model']}: " + "; ".join(parts)
 
 
 @cli.command("eval")

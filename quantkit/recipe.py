@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from .data import domain_name, expand
 from .errors import QuantkitError
 
 FORMAT_BITS = {"gptq": (2, 3, 4, 8), "compressed-tensors": (4, 8), "awq": (4,)}
@@ -36,9 +37,18 @@ class _Strict(BaseModel):
         return data
 
 
-class Calibration(_Strict):
-    dataset: str = "wikitext2"  # alias for the bundled WikiText-2 validation split, or a file path
+class CalibrationPart(_Strict):
+    dataset: str  # a bundled domain (wikitext2, fiction, code, chat, math), self, or a file path
+    weight: float = Field(gt=0)  # share of num_samples, relative to the other parts
     text_field: str = "text"
+
+
+class Calibration(_Strict):
+    # a bundled domain's calibration split, `mixture` (data.MIXTURE), `self` (text the model writes), a file path,
+    # or a weighted list of those
+    dataset: str | list[CalibrationPart] = "wikitext2"
+    text_field: str = "text"
+    chat_template: bool | None = None  # conversations in the tokenizer's chat template; None: when it has one
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=8)
     seed: int = 0
@@ -72,6 +82,8 @@ class WeightQuant(_Strict):
     group_size: Literal[-1, 32, 64, 128, 256] = 128
     sym: bool = True
     type: Literal["int", "float"] = "int"  # float: FP8 e4m3, one scale per output channel (RTN only)
+    # how each group's scale (and zero) is chosen: its min and max, or the clip of least |w - q|^2.4 (grid.mse_params)
+    observer: Literal["minmax", "mse"] = "minmax"
     activations: Activations | None = None  # None: weight-only
     # Module names (or suffixes / regexes with 're:') left in float. Only Linear layers inside
     # decoder blocks are quantized at all, so lm_head and embeddings stay float regardless.
@@ -173,12 +185,17 @@ class TaskGate(_Strict):
     max: float | None = None  # absolute ceiling, for lower-is-better metrics (perplexities)
 
 
-class Gates(_Strict):
-    """What `quantkit release` / `quantkit gate` require of the measurements; every key is optional."""
-
+class QualityGates(_Strict):
     ppl_increase_pct: float | None = Field(None, ge=0)  # 100 * (ppl / base ppl - 1) at most this
     kld_mean_max: float | None = Field(None, ge=0)
     same_top_min: float | None = Field(None, ge=0, le=1)
+
+
+class Gates(QualityGates):
+    """What `quantkit release` / `quantkit gate` require of the measurements; every key is optional. The quality
+    gates hold on every evaluated domain; `per_domain` overrides them for the domains it names."""
+
+    per_domain: dict[str, QualityGates] = {}
     tasks: dict[str, TaskGate] = {}
     decode_speedup_min: float | None = Field(None, gt=0)  # bench, at speed_batch
     prefill_speedup_min: float | None = Field(None, gt=0)
@@ -187,7 +204,9 @@ class Gates(_Strict):
 
 
 class ReleaseEval(_Strict):
-    dataset: str = "wikitext2"
+    # domains to evaluate (see data.py): suite is every bundled domain and self; files may be added
+    datasets: list[str] = Field(["suite"], min_length=1)
+    self_tokens: int = Field(8192, ge=2)  # tokens of the self domain
     seq_len: int = Field(2048, ge=2)
     max_tokens: int | None = Field(32768, ge=2)  # None: the whole split
     tasks: list[str] = []
@@ -255,6 +274,11 @@ class Recipe(_Strict):
             if task not in r.eval.tasks:
                 raise _error("gates.tasks.{task}: the task is not evaluated (add it to release.eval.tasks)",
                              task=_path_part(task))
+        evaluated = [domain_name(d) for d in expand(r.eval.datasets)]
+        for domain in g.per_domain:
+            if domain not in evaluated:
+                raise _error("gates.per_domain.{domain}: the domain is not evaluated (release.eval.datasets gives "
+                             "{evaluated})", domain=_path_part(domain), evaluated=", ".join(evaluated))
         speed = [k for k in ("decode_speedup_min", "prefill_speedup_min", "weight_bytes_ratio_max")
                  if getattr(g, k) is not None]
         if speed and not r.bench.enabled:

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from . import gates as gate_checks
 from .bench.runner import device_name
-from .data import resolve
+from .data import SELF, expand, resolve
 from .errors import QuantkitError
 from .export.artifact import MANIFEST_NAME, sha256_file
 from .files import write_json_atomic
 from .model import model_fingerprint, pick_device
 from .progress import Reporter
+from .quantize.calibration import parts_of
 from .quantize.checkpoint import run_key
 from .quantize.run import recipe_fingerprint, run_quantize
 from .recipe import Recipe
@@ -85,7 +86,8 @@ class Release:
 
     def quantize(self) -> dict:
         cal = self.recipe.calibration
-        data = data_fingerprint(cal.dataset, "calibration", "calibration.dataset") if cal else None
+        data = [data_fingerprint(p.dataset, "calibration", "calibration.dataset") if p.dataset != "self" else "self"
+                for p in parts_of(cal)] if cal else None
         key = run_key({"recipe": recipe_fingerprint(self.recipe), "export": self.recipe.export.model_dump(mode="json"),
                        "model": model_fingerprint(self.recipe.model), "calibration": data,
                        "versions": self.versions})
@@ -114,9 +116,11 @@ class Release:
         from .eval.runner import EvalOptions, evaluate
 
         e = self.recipe.release.eval
-        o = EvalOptions(base=self.recipe.model, dataset=e.dataset, seq_len=e.seq_len, max_tokens=e.max_tokens,
+        o = EvalOptions(base=self.recipe.model, datasets=list(e.datasets), self_tokens=e.self_tokens,
+                        seq_len=e.seq_len, max_tokens=e.max_tokens,
                         device=e.device, tasks=list(e.tasks), limit=e.limit, generation=e.generation, engine=e.engine)
-        key = self._artifact_key(asdict(o), e.device, data_fingerprint(e.dataset, "eval", "release.eval.dataset"))
+        data = [d if d == SELF else data_fingerprint(d, "eval", "release.eval.datasets") for d in expand(o.datasets)]
+        key = self._artifact_key(asdict(o), e.device, data)
         return self._step("eval", key, lambda r: True, lambda: evaluate(str(self.artifact), o, self.report))
 
     def bench(self) -> dict | None:

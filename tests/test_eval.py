@@ -191,7 +191,7 @@ def test_eval_json_contract_and_base_cache(monkeypatch, tmp_path, tiny_llama, rt
     code, first = run_eval(monkeypatch, tmp_path, rtn_artifact, "--base", tiny_llama, "--tasks", "arc_easy,lambada_openai",
                            "--limit", "6", name="a.json")
     assert code == 0
-    assert first["base_cache_hit"] == {"logits": False, "tasks": False, "generation": False}
+    assert first["base_cache_hit"] == {"logits": {"wikitext2": False}, "tasks": False, "generation": False}
     for key in ("mean", "stderr", "median", "p90", "p95", "p99", "p999", "max"):
         assert first["kld"][key] >= 0
     assert first["kld"]["max"] >= first["kld"]["p99"] >= first["kld"]["median"]
@@ -206,19 +206,19 @@ def test_eval_json_contract_and_base_cache(monkeypatch, tmp_path, tiny_llama, rt
     # second artifact evaluation: the base is not run again, and the numbers are the same
     code, second = run_eval(monkeypatch, tmp_path, rtn_artifact, "--base", tiny_llama, "--tasks", "arc_easy,lambada_openai",
                             "--limit", "6", name="b.json")
-    assert code == 0 and second["base_cache_hit"] == {"logits": True, "tasks": True, "generation": True}
+    assert code == 0 and second["base_cache_hit"] == {"logits": {"wikitext2": True}, "tasks": True, "generation": True}
     assert second["base_size_bytes"] == first["base_size_bytes"] > second["size_bytes"]
-    assert "base_logits" not in second["timings_s"] and "base_tasks" not in second["timings_s"]
+    assert "base_logits_wikitext2" not in second["timings_s"] and "base_tasks" not in second["timings_s"]
     assert second["kld"] == first["kld"] and second["tasks"] == first["tasks"]
     assert second["generation"]["per_prompt"] == first["generation"]["per_prompt"]
 
     # different data or settings -> a different entry
     code, third = run_eval(monkeypatch, tmp_path, rtn_artifact, "--base", tiny_llama, "--max-tokens", "768",
                            "--no-generation", name="c.json")
-    assert code == 0 and third["base_cache_hit"]["logits"] is False and third["tokens"] == 6 * 127
+    assert code == 0 and third["base_cache_hit"]["logits"] == {"wikitext2": False} and third["tokens"] == 6 * 127
     code, fourth = run_eval(monkeypatch, tmp_path, rtn_artifact, "--base", tiny_llama, "--kld-top-k", "64",
                             "--no-generation", name="d.json")
-    assert code == 0 and fourth["base_cache_hit"]["logits"] is False
+    assert code == 0 and fourth["base_cache_hit"]["logits"] == {"wikitext2": False}
 
 
 def test_local_arc_easy_matches_brute_force_loglikelihood(monkeypatch, tiny_llama):

@@ -202,7 +202,7 @@ def test_too_short_calibration_text_and_existing_output(tiny_llama, tmp_path, mo
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "o", "gptq: {bits: 4, group_size: 32}")
     recipe.write_text(recipe.read_text().replace("dataset: wikitext2", f"dataset: {short}"))
     assert run_cli(monkeypatch, "quantize", recipe) == 2
-    assert "need at least 512 (num_samples 8 x seq_len 64)" in capsys.readouterr().err
+    assert "has 11 tokens, need at least 512 (num_samples 8 x seq_len 64)" in capsys.readouterr().err
     (tmp_path / "o" / "gptq").mkdir(parents=True)
     assert run_cli(monkeypatch, "quantize", recipe) == 2
     assert "already exists (pass --overwrite to replace it)" in capsys.readouterr().err

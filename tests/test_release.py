@@ -16,7 +16,7 @@ from quantkit.gates import evaluate, table
 from quantkit.recipe import Gates
 from quantkit.release import data_fingerprint
 
-RELEASE = ("release: {eval: {seq_len: 128, max_tokens: 1024, generation: false}, "
+RELEASE = ("release: {eval: {datasets: [wikitext2], seq_len: 128, max_tokens: 1024, generation: false}, "
            "bench: {batches: [1], prompt_len: 16, gen_len: 4, reps: 1}}")
 
 
@@ -50,9 +50,9 @@ def test_release_passes_its_gates_and_writes_the_card(released, capsys):
     assert report["gates"]["passed"] and len(report["gates"]["results"]) == 4
     assert report["steps"] == {"quantize": "ran", "eval": "ran", "bench": "ran"}
     measured = {r["name"]: r["measured"] for r in report["gates"]["results"]}
-    assert measured["kld_mean_max"] == report["eval"]["kld"]["mean"]
+    assert measured["kld_mean_max[wikitext2]"] == report["eval"]["kld"]["mean"]
     ppl = report["eval"]["ppl"]
-    assert measured["ppl_increase_pct"] == pytest.approx(100 * (ppl["model"] / ppl["base"] - 1))
+    assert measured["ppl_increase_pct[wikitext2]"] == pytest.approx(100 * (ppl["model"] / ppl["base"] - 1))
     assert measured["weight_bytes_ratio_max"] == report["bench"]["ratios"][0]["weight_bytes_ratio"]
     card = (root / "out" / "compressed-tensors" / "README.md").read_text()
     assert "## Release gates: passed" in card and f"{ppl['model']:.4f}" in card and "vllm serve" in card
@@ -168,7 +168,7 @@ def test_task_gates_read_filtered_metrics_and_guard_perplexities():
 def test_card_lists_a_task_without_a_main_metric():
     from quantkit.card import _quality
 
-    lines = _quality({"ppl": {"model": 2.0, "base": 1.0}, "dataset": "wikitext2", "tasks": {"odd": {"model": {"f1": 1}}}})
+    lines = _quality({"domains": {"wikitext2": {"ppl": {"model": 2.0, "base": 1.0}}}, "tasks": {"odd": {"model": {"f1": 1}}}})
     assert "| odd ? | - | - |" in lines
 
 

@@ -29,7 +29,7 @@ def test_gptq_beats_rtn_on_smollm2(smollm2_hf, tmp_path, monkeypatch):
     ppl = {"base": res["gptq"]["ppl"]["base"], "gptq": res["gptq"]["ppl"]["model"], "rtn": res["rtn"]["ppl"]["model"]}
     kld = {n: r["kld"]["mean"] for n, r in res.items()}
     print(ppl, kld, file=sys.stderr)
-    assert res["rtn"]["base_cache_hit"]["logits"]  # the original ran once for both
+    assert all(res["rtn"]["base_cache_hit"]["logits"].values())  # the original ran once for both
     assert ppl["base"] < ppl["gptq"] < ppl["rtn"], ppl
     # GPTQ recovers a real share of RTN's loss (measured with 16 x 512 calibration, 4 windows: ppl 24.15 / 30.33 /
     # 35.84, KLD 0.216 vs 0.416)

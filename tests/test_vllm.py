@@ -67,7 +67,7 @@ def against_quantkit(artifact: Path, engine: VllmEngine, cache: Path, generation
     text = cache.parent / "wiki-test-head.txt"
     if not text.is_file():
         text.write_text((REPO / "evals" / "data" / "wikitext-2-raw" / "wiki.test.raw").read_text()[:40000])
-    o = dict(base=str(artifact), dataset=str(text), seq_len=128, max_tokens=2048, dtype="float32",
+    o = dict(base=str(artifact), datasets=[str(text)], seq_len=128, max_tokens=2048, dtype="float32",
              cache_dir=str(cache), generation=generation, gen_tokens=64, batch_size=16) | kw
     # the base (here the artifact itself) always runs in quantkit's runtime, in float32; the model in vLLM
     return evaluate(str(artifact), EvalOptions(**o, engine="vllm"), Reporter(quiet=True), engine=engine)
@@ -154,7 +154,7 @@ def test_an_moe_artifact_is_served_or_refused_by_name(engine, tmp_path):
 @pytest.mark.slow
 def test_smollm2_in_vllm_matches_quantkit(smollm2_hf, tmp_path, engine):
     artifact = quantize(smollm2_hf, tmp_path / "rtn", "rtn: {bits: 4, group_size: 64, sym: true}", "compressed-tensors")
-    body = against_quantkit(artifact, engine, tmp_path / "cache", dataset="wikitext2", seq_len=2048,
+    body = against_quantkit(artifact, engine, tmp_path / "cache", datasets=["wikitext2"], seq_len=2048,
                             max_tokens=4096)
     # measured: ppl 35.8317 in vLLM vs 35.8403 in quantkit (0.02 %), KLD 2.3e-5, same top 99.5 %, tokens 0.89
     ratio = body["ppl"]["model"] / body["ppl"]["base"]
@@ -184,7 +184,7 @@ def test_bench_in_vllm_measures_what_a_server_user_sees(llama, tmp_path):
     assert "| model `w4a16/compressed-tensors` | float16 | 4 |" in markdown(body)
 
 
-VLLM_RELEASE = ("release: {eval: {dataset: %s, seq_len: 128, max_tokens: 1024, engine: vllm}, "
+VLLM_RELEASE = ("release: {eval: {datasets: [%s], seq_len: 128, max_tokens: 1024, engine: vllm}, "
                 "bench: {batches: [1, 4], prompt_len: 32, gen_len: 8, reps: 1, engine: vllm}}\n"
                 "gates: {ppl_increase_pct: 50, kld_mean_max: 1.0, weight_bytes_ratio_max: 0.5, decode_speedup_min: 0.01}")
 

@@ -5,7 +5,7 @@ model is run once, window by window."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -14,7 +14,7 @@ from ..model import model_fingerprint
 from ..progress import Reporter
 from . import cache
 from .distribution import BaseTopK, ShiftAccumulator, token_stats
-from .perplexity import eval_tokens, num_windows, window_logits
+from .perplexity import num_windows, window_logits
 
 
 def base_logits_entry(base: str, ids: torch.Tensor, seq_len: int, top_k: int, dtype: str,
@@ -28,11 +28,12 @@ def base_logits_entry(base: str, ids: torch.Tensor, seq_len: int, top_k: int, dt
     return cache.LogitCache(root, cache.key(**parts)), parts
 
 
-def fill_base_cache(entry: cache.LogitCache, parts: dict, base: str, dataset: str, max_tokens: int | None,
-                    ids: torch.Tensor, top_k: int, tokenizer, logits: Iterator, extra_meta: dict | None = None) -> None:
+def fill_base_cache(entry: cache.LogitCache, parts: dict, base: str, tokens_of: Callable | None, ids: torch.Tensor,
+                    top_k: int, tokenizer, logits: Iterator, extra_meta: dict | None = None) -> None:
     """logits: the base's (window, logits, targets), from a whole model (perplexity.window_logits) or streamed
-    block by block (streamed.streamed_window_logits)."""
-    if not torch.equal(eval_tokens(tokenizer, dataset, max_tokens), ids):
+    block by block (streamed.streamed_window_logits). tokens_of(base tokenizer): the text's ids, which must be the
+    model's `ids` (None: ids are the base's own, as for the self domain)."""
+    if tokens_of is not None and not torch.equal(tokens_of(tokenizer), ids):
         raise QuantkitError(f"--base: {base} tokenizes the evaluation text differently from the model "
                             "(a different tokenizer cannot be compared token by token)")
     entry.start()

@@ -18,8 +18,10 @@ from ..progress import Reporter
 
 
 def eval_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:
-    path = data.resolve(dataset, "eval", "--dataset")
-    ids = torch.tensor(tokenizer(data.read_text(path, field="--dataset"))["input_ids"], dtype=torch.int64)
+    """A text domain's evaluation split (conversations in the tokenizer's chat template when it has one)."""
+    path = data.resolve(dataset, "eval", f"--dataset {dataset}")
+    text = data.read_text(path, field=f"--dataset {dataset}", render_chat=data.chat_renderer(tokenizer, None))
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
     return ids[:max_tokens] if max_tokens else ids
 
 

@@ -55,12 +55,34 @@ def comparison_table(bodies: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def domain_table(bodies: list[dict]) -> str:
+    """Perplexity and KLD of every artifact on every domain: where quality holds and where it does not."""
+    domains = list(dict.fromkeys(d for b in bodies for d in b.get("domains", {})))
+    head = ["model", *[f"{d} PPL" for d in domains], *[f"{d} KLD" for d in domains]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = next((b for b in bodies if b.get("ppl", {}).get("base") is not None), None)
+    if base:
+        cells = [f"base: {Path(base['base']).name}",
+                 *[_f(base["domains"].get(d, {}).get("ppl", {}).get("base"), 3) for d in domains], *["0"] * len(domains)]
+        lines.append("| " + " | ".join(cells) + " |")
+    for b in bodies:
+        ds = b.get("domains", {})
+        cells = [_name(b), *[_f(ds.get(d, {}).get("ppl", {}).get("model"), 3) for d in domains],
+                 *[_f((ds.get(d, {}).get("kld") or {}).get("mean"), 4) for d in domains]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(bodies: list[dict]) -> str:
     first = bodies[0]
+    domains = first.get("domains", {})
+    counts = ", ".join(f"{d} {m.get('windows')}" for d, m in domains.items())
     parts = ["# quantkit evaluation", "",
-             f"Data: {first['dataset']}, {first.get('windows')} windows × {first['seq_len']} tokens "
-             f"({first.get('tokens')} scored tokens); device {first['device']}; base top-k {first.get('top_k', '—')}.",
+             f"Data: {', '.join(domains)}; windows of {first['seq_len']} tokens ({counts}); device {first['device']}; "
+             f"base top-k {first.get('top_k', '—')}. The first table is {next(iter(domains))}.",
              "", comparison_table(bodies), ""]
+    if len(domains) > 1:
+        parts += ["## Per domain", "", domain_table(bodies), ""]
     for b in bodies:
         tasks = b.get("tasks")
         if tasks:
@@ -95,7 +117,8 @@ def _cell(text: str) -> str:
 
 
 def plots(bodies: list[dict], out: Path) -> list[Path]:
-    """kld_distribution.png (per-token KLD histogram per artifact, log x) and quality_vs_size.png."""
+    """kld_distribution.png (per-token KLD histogram per artifact, log x), quality_vs_size.png and, with several
+    domains, kld_by_domain.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,6 +142,21 @@ def plots(bodies: list[dict], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         written.append(out / "kld_distribution.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    domains = list(dict.fromkeys(d for b in with_kld for d in b.get("domains", {})))
+    if len(domains) > 1:
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(domains)), 4))
+        width = 0.8 / len(with_kld)
+        for i, b in enumerate(with_kld):
+            ys = [(b["domains"].get(d, {}).get("kld") or {}).get("mean", float("nan")) for d in domains]
+            ax.bar([j + i * width for j in range(len(domains))], ys, width, label=_name(b))
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(domains))], domains)
+        ax.set_ylabel("mean KLD vs base (nats)")
+        ax.legend()
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        written.append(out / "kld_by_domain.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))

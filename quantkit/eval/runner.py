@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .. import runtime
+from .. import data, runtime, self_text
 from ..errors import QuantkitError
 from ..model import model_fingerprint, pick_device, resolve_model_path
 from ..progress import Reporter
@@ -31,7 +31,8 @@ from .streamed import open_base, streamed_window_logits
 @dataclass
 class EvalOptions:
     base: str | None = None
-    dataset: str = "wikitext2"
+    datasets: list[str] = field(default_factory=lambda: ["wikitext2"])  # domains (data.DOMAINS, self, suite) or files
+    self_tokens: int = 8192  # tokens of the `self` domain (text the base writes; max_tokens caps it too)
     seq_len: int = 2048
     max_tokens: int | None = None
     dtype: str = "auto"
@@ -113,6 +114,46 @@ def _stream_base(o: EvalOptions, prompts: list[str]) -> bool:
     return bool(files) and sum(f.stat().st_size for f in files) > host_available() // 2
 
 
+def _check_length(domain: str, ids: torch.Tensor, seq_len: int) -> None:
+    if ids.numel() < seq_len:
+        where = f"{domain} ({data.resolve(domain, 'eval', '--dataset')})" if domain in data.DOMAINS else domain
+        raise QuantkitError(f"--dataset {where}: {ids.numel()} tokens, fewer than one window of --seq-len {seq_len}")
+
+
+def _with_domains(per_domain: dict[str, dict]) -> dict:
+    """Every domain's measurements under `domains`; the first domain's also at the top level (one-domain runs read
+    as before)."""
+    first = next(iter(per_domain.values()))
+    return first | {"domains": per_domain}
+
+
+def _fill_base_logits(domain: str, spec: str, ids: torch.Tensor, o: EvalOptions, base: "_Base", device, root,
+                      prompts: list[str], report: Reporter):
+    """The base's cached top-k log-probs over this domain's windows, computed now when missing. -> (entry, hit)"""
+    entry, parts = base_logits_entry(o.base, ids, o.seq_len, o.top_k, o.dtype, device, root)
+    if entry.complete():
+        report.info(f"base logits ({domain}): cached in {entry.folder}")
+        return entry, True
+    # the base must tokenize the text as the model does (self: the base's own ids)
+    check = None if domain == data.SELF else (lambda tok: eval_tokens(tok, spec, o.max_tokens))
+    if _stream_base(o, prompts):
+        report.info(f"base logits ({domain}): computing {o.base} once, block by block from its checkpoint "
+                    f"(cached in {entry.folder})")
+        with report.timed(f"base_logits_{domain}"):
+            streamed = open_base(o.base, o.dtype)
+            fill_base_cache(entry, parts, o.base, check, ids, o.top_k, streamed.tokenizer,
+                            streamed_window_logits(streamed, ids, o.seq_len, report, device),
+                            {"size_bytes": weight_bytes(o.base, None)[0], "domain": domain})
+    else:
+        report.info(f"base logits ({domain}): computing {o.base} once (cached in {entry.folder})")
+        with report.timed(f"base_logits_{domain}"):
+            b = base.get()
+            fill_base_cache(entry, parts, o.base, check, ids, o.top_k, b.tokenizer,
+                            window_logits(b.model, ids, o.seq_len, report, f"base window ({domain})", device),
+                            {"size_bytes": weight_bytes(o.base, b.model)[0], "domain": domain})
+    return entry, False
+
+
 def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> dict:
     """engine: a started engines.vllm.VllmEngine to serve the model with (--engine vllm; default: one of its own)."""
     device = pick_device(o.device)
@@ -132,11 +173,19 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
     with report.timed("load"):
         loaded = None if vllm else runtime.load(model_path, o.dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_path) if vllm else loaded.tokenizer
-    ids = eval_tokens(tokenizer, o.dataset, o.max_tokens)
+    specs = {data.domain_name(d): d for d in data.expand(o.datasets)}  # table name -> domain or file
+    if len(specs) < len(data.expand(o.datasets)):
+        raise QuantkitError(f"--dataset: two files share a name ({', '.join(data.expand(o.datasets))}); rename one")
+    domains = list(specs)
+    if data.SELF in domains and not o.base:
+        raise QuantkitError("--dataset self: text the original model writes; pass --base")
+    ids_of = {d: eval_tokens(tokenizer, spec, o.max_tokens) for d, spec in specs.items() if d != data.SELF}
+    for d, ids in ids_of.items():
+        _check_length(specs[d], ids, o.seq_len)
     prompts = generation.load_prompts(o.gen_prompts) if (o.base and o.generation) else []
     size, size_source = weight_bytes(model_path, None if vllm else loaded.model)
     body = {"model": model_path, "base": o.base, "format": runtime.artifact_format(model_path) or "float",
-            "size_bytes": size, "size_source": size_source, "dataset": o.dataset, "seq_len": o.seq_len,
+            "size_bytes": size, "size_source": size_source, "datasets": specs, "seq_len": o.seq_len,
             "max_tokens": o.max_tokens, "device": "cpu" if vllm else device.type,
             "dtype": None if vllm else str(loaded.model.dtype).removeprefix("torch."),
             "engine": {"name": "quantkit", "version": __import__("quantkit").__version__}, "options": asdict(o)}
@@ -145,26 +194,18 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
     base_gen = None
     if o.base:  # phase 1: fill what the cache lacks, with the model's own weights not yet on the device
         base = _Base(o.base, o, device)
-        entry, parts = base_logits_entry(o.base, ids, o.seq_len, o.top_k, o.dtype, device, root)
-        body["base_cache_hit"] = {"logits": entry.complete()}
-        if entry.complete():
-            report.info(f"base logits: cached in {entry.folder}")
-        elif _stream_base(o, prompts):
-            report.info(f"base logits: computing {o.base} once, block by block from its checkpoint "
-                        f"(cached in {entry.folder})")
-            with report.timed("base_logits"):
-                streamed = open_base(o.base, o.dtype)
-                fill_base_cache(entry, parts, o.base, o.dataset, o.max_tokens, ids, o.top_k, streamed.tokenizer,
-                                streamed_window_logits(streamed, ids, o.seq_len, report, device),
-                                {"size_bytes": weight_bytes(o.base, None)[0]})
-        else:
-            report.info(f"base logits: computing {o.base} once (cached in {entry.folder})")
-            with report.timed("base_logits"):
-                b = base.get()
-                fill_base_cache(entry, parts, o.base, o.dataset, o.max_tokens, ids, o.top_k, b.tokenizer,
-                                window_logits(b.model, ids, o.seq_len, report, "base window", device),
-                                {"size_bytes": weight_bytes(o.base, b.model)[0]})
-        body["base_size_bytes"] = entry.meta().get("size_bytes")
+        if data.SELF in domains:
+            n = min(o.self_tokens, o.max_tokens or o.self_tokens)
+            ids_of[data.SELF] = self_text.tokens(o.base, n, "eval", o.dtype, device, report, load=base.get,
+                                                 root=o.cache_dir)
+            _check_length(data.SELF, ids_of[data.SELF], o.seq_len)
+        ids_of = {d: ids_of[d] for d in domains}
+        entries = {}
+        body["base_cache_hit"] = {"logits": {}}
+        for d, ids in ids_of.items():
+            entries[d], body["base_cache_hit"]["logits"][d] = _fill_base_logits(d, specs[d], ids, o, base, device,
+                                                                                root, prompts, report)
+        body["base_size_bytes"] = next(iter(entries.values())).meta().get("size_bytes")
         task_entries = _task_entries(o, root, device)
         missing = [t for t, e in task_entries.items() if e.get() is None]
         body["base_cache_hit"]["tasks"] = not missing
@@ -189,17 +230,21 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
         base.free()
 
     if vllm:  # phase 2 in vLLM: the same windows and prompts, scored against the same cached base
-        body.update(_vllm_measurements(model_path, o, ids, entry if o.base else None, prompts, base_gen, tokenizer,
-                                       report, python, vllm_dtype, engine))
+        body.update(_vllm_measurements(model_path, o, ids_of, entries if o.base else None, prompts, base_gen,
+                                       tokenizer, report, python, vllm_dtype, engine))
         body["timings_s"] = dict(report.timings) | {"total": round(time.perf_counter() - start, 2)}
         return body
     loaded.model.to(device)  # phase 2: the model
     with report.timed("model_logits"):
-        if o.base:
-            body.update(distribution_shift(loaded.model, entry, ids, o.seq_len, o.top_k, device, report))
-        else:
-            ppl = perplexity(loaded.model, ids, o.seq_len, report, device)
-            body.update({"tokens": ppl["tokens_scored"], "windows": ppl["windows"], "ppl": {"model": ppl["ppl"]}})
+        per_domain = {}
+        for d, ids in ids_of.items():
+            if o.base:
+                per_domain[d] = distribution_shift(loaded.model, entries[d], ids, o.seq_len, o.top_k, device, report)
+            else:
+                ppl = perplexity(loaded.model, ids, o.seq_len, report, device)
+                per_domain[d] = {"tokens": ppl["tokens_scored"], "windows": ppl["windows"],
+                                 "ppl": {"model": ppl["ppl"]}}
+        body.update(_with_domains(per_domain))
     if o.tasks:
         with report.timed("model_tasks"):
             result = tasks.run_tasks(loaded.model, loaded.tokenizer, o.tasks, o.limit, o.num_fewshot, o.batch_size,
@@ -220,17 +265,16 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
     return body
 
 
-def _vllm_measurements(model_path: str, o: EvalOptions, ids: torch.Tensor, entry, prompts: list[str],
-                       base_gen: list[list[int]] | None, tokenizer, report: Reporter, python: str, dtype: str,
-                       engine) -> dict:
+def _vllm_measurements(model_path: str, o: EvalOptions, ids_of: dict[str, torch.Tensor], entries: dict | None,
+                       prompts: list[str], base_gen: list[list[int]] | None, tokenizer, report: Reporter, python: str,
+                       dtype: str, engine) -> dict:
     """Perplexity (and with a base, KLD / same-top / delta p) from vLLM's prompt log-probs over exactly quantkit's
-    windows; generation agreement from vLLM's greedy outputs. vLLM's dtype follows the format (serving_dtype)."""
+    windows of every domain; generation agreement from vLLM's greedy outputs. vLLM's dtype follows the format
+    (serving_dtype)."""
     from ..engines.vllm import VllmEngine
 
     rendered = [tokenizer(generation.render(tokenizer, p), add_special_tokens=not tokenizer.chat_template)["input_ids"]
                 for p in prompts]
-    n = num_windows(ids, o.seq_len)
-    windows = ids[: n * o.seq_len].view(n, o.seq_len)
     max_len = max([o.seq_len + 1] + [len(r) + o.gen_tokens for r in rendered])
     out: dict = {}
     own = engine is None
@@ -243,23 +287,9 @@ def _vllm_measurements(model_path: str, o: EvalOptions, ids: torch.Tensor, entry
         out["engine"] = {"name": "vllm", "version": engine.info["vllm"], "quantization": engine.info["quantization"],
                          "python": python}
         out["dtype"] = dtype
-        acc, nll, count = ShiftAccumulator(), 0.0, 0
-        t0 = time.perf_counter()
         with report.timed("model_logits"):
-            batch = max(1, o.batch_size // 2)
-            for b in report.steps("vllm windows", math.ceil(n / batch)):
-                part = engine.prompt_logprobs(windows[b * batch : (b + 1) * batch], o.top_k)
-                for j, r in enumerate(part):
-                    if entry is not None:
-                        acc.add(token_stats_from_topk(entry.read(b * batch + j), r["topk_idx"], r["topk_logp"],
-                                                      r["target_logp"]))
-                    nll -= float(r["target_logp"].double().sum())
-                    count += r["target_logp"].numel()
-        if entry is not None:
-            out |= acc.summary() | {"windows": n, "top_k": o.top_k, "base_cache": str(entry.folder),
-                                    "seconds": round(time.perf_counter() - t0, 2)}
-        else:
-            out |= {"tokens": count, "windows": n, "ppl": {"model": math.exp(nll / count)}}
+            out |= _with_domains({d: _vllm_domain(engine, d, ids, None if entries is None else entries[d], o, report)
+                                  for d, ids in ids_of.items()})
         if prompts:
             with report.timed("model_generation"):
                 eos = tokenizer.eos_token_id
@@ -270,6 +300,25 @@ def _vllm_measurements(model_path: str, o: EvalOptions, ids: torch.Tensor, entry
         if own:
             engine.close()
     return out
+
+
+def _vllm_domain(engine, domain: str, ids: torch.Tensor, entry, o: EvalOptions, report: Reporter) -> dict:
+    n = num_windows(ids, o.seq_len)
+    windows = ids[: n * o.seq_len].view(n, o.seq_len)
+    acc, nll, count = ShiftAccumulator(), 0.0, 0
+    t0 = time.perf_counter()
+    batch = max(1, o.batch_size // 2)
+    for b in report.steps(f"vllm windows ({domain})", math.ceil(n / batch)):
+        for j, r in enumerate(engine.prompt_logprobs(windows[b * batch : (b + 1) * batch], o.top_k)):
+            if entry is not None:
+                acc.add(token_stats_from_topk(entry.read(b * batch + j), r["topk_idx"], r["topk_logp"],
+                                              r["target_logp"]))
+            nll -= float(r["target_logp"].double().sum())
+            count += r["target_logp"].numel()
+    if entry is None:
+        return {"tokens": count, "windows": n, "ppl": {"model": math.exp(nll / count)}}
+    return acc.summary() | {"windows": n, "top_k": o.top_k, "base_cache": str(entry.folder),
+                            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def scores_ratio(model_value, base_value) -> float | None:

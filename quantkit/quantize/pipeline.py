@@ -169,7 +169,10 @@ def _check_finite(hidden: torch.Tensor, where: str) -> None:
 
 def _rtn(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedWeight | Fp8Weight, float]:
     """Round-to-nearest (FP8 for type: float) swapped into the Linear; the loss is the weight's mean squared error."""
-    qw = fp8_quantize(module.weight.data) if args.type == "float" else rtn_quantize(module.weight.data, spec)
+    if args.type == "float":
+        qw = fp8_quantize(module.weight.data)
+    else:  # AWQ's arguments have no observer: its clip search is its own
+        qw = rtn_quantize(module.weight.data, spec, getattr(args, "observer", "minmax"))
     deq = qw.dequantize(module.weight.dtype).to(module.weight.device)
     loss = float((deq.float() - module.weight.float()).square().mean())
     module.weight.data = deq
@@ -371,7 +374,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         if st["solver"] is None:
             try:  # the Hessian's sum goes as its factors are made: one in x in matrix less at the peak
                 st["solver"] = GPTQ(st.pop("h").take(), spec, args.damp, args.block_size, args.act_order,
-                                    warn=lambda m: report.warn(f"{todo[0]}: {m}"))
+                                    warn=lambda m: report.warn(f"{todo[0]}: {m}"), observer=args.observer)
             except NotPositiveDefinite as err:
                 raise QuantkitError(f"gptq: {todo[0]}: {err}; raise damp") from None
         if not todo:

@@ -109,10 +109,13 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     torch.manual_seed(0)
     streamed, mem_plan = choose_source(recipe, device, report, int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
     tokenizer = streamed.tokenizer if streamed else load_tokenizer(recipe.model)
+    if streamed and recipe.calibration and any(p.dataset == "self" for p in calibration.parts_of(recipe.calibration)):
+        raise QuantkitError("calibration.dataset: self samples from the whole model, but it does not fit in memory "
+                            "and is streamed block by block; calibrate on text instead")
     calib = None
     if recipe.needs_calibration:
         with report.timed("calibration"):
-            calib = calibration.build(tokenizer, recipe.calibration)
+            calib = calibration.build(tokenizer, recipe.calibration, recipe.model, recipe.dtype, device, report)
         report.info(f"calibration: {tuple(calib.tokens.shape)} tokens from {calib.source} (sha256 {calib.sha256[:12]})")
     rss_start = rss_bytes()  # libraries imported, skeleton and calibration built: the rest is what the plan bounds
     reset_peak_rss()
@@ -155,7 +158,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
             "recipe": recipe.model_dump(mode="json"),
             "versions": versions,
             "calibration": None if calib is None else {
-                "source": calib.source, "sha256": calib.sha256,
+                "source": calib.source, "sha256": calib.sha256, "parts": calib.parts,
                 "num_samples": int(calib.tokens.shape[0]), "seq_len": int(calib.tokens.shape[1]),
             },
             "timings_s": dict(report.timings),
