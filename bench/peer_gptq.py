@@ -273,9 +273,9 @@ def build_calibration(args, model_dir: Path) -> tuple[Path, str]:
                                     seq_len=args.seq_len, seed=args.seed))
         tokens, how = cs.tokens, "quantkit.quantize.calibration.build"
     except ImportError:  # same algorithm, restated (WikiText rows joined by blank lines; GPTQ-style windows)
-        raw = args.calib_data.read_text(encoding="utf-8")
+        raw = Path(args.calib_data).read_text(encoding="utf-8")
         text = raw
-        if args.calib_data.suffix == ".raw":
+        if Path(args.calib_data).suffix == ".raw":
             text = "\n\n".join(line + "\n" if line.strip() else "" for line in raw.split("\n")[:-1])
         ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
         gen = torch.Generator().manual_seed(args.seed)
@@ -423,7 +423,8 @@ def parse_args(argv):
     p.add_argument("--eval-dataset", default="wikitext2")
     p.add_argument("--out-dir", type=Path, default=Path("/tmp/peer_gptq"))
     p.add_argument("--model", help="an HF model folder to use instead of the converted SmolLM2 GGUF")
-    p.add_argument("--calib-data", type=Path, default=default_wiki_valid(), help="text the windows come from")
+    p.add_argument("--calib-data", default=str(default_wiki_valid()),
+                   help="text the windows come from: a file, or a quantkit calibration.dataset (mixture, a domain)")
     p.add_argument("--peers-root", type=Path, default=Path(os.environ.get("PEERS_ROOT", "/work/peers")))
     p.add_argument("--quantkit", help="command prefix for quantkit (default: `quantkit` on PATH, "
                                       "else this python -m quantkit.cli)")
@@ -447,7 +448,8 @@ def parse_args(argv):
     if bad:
         p.error(f"--tools: unknown {bad} (choose from {', '.join(TOOLS)})")
     args.out_dir = args.out_dir.resolve()
-    args.calib_data = args.calib_data.resolve()
+    if Path(args.calib_data).is_file():
+        args.calib_data = str(Path(args.calib_data).resolve())
     return args
 
 

@@ -6,9 +6,13 @@ every domain at once, the release default."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from .errors import QuantkitError
 
@@ -127,3 +131,26 @@ def read_text(path: Path, text_field: str = "text", field: str = "dataset",
     if not text.strip():
         raise QuantkitError(f"{field}: {path} contains no text")
     return text
+
+
+_TOKENIZED: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # a few recent (tokenizer, text) -> ids
+
+
+def token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> torch.Tensor:
+    """int64 ids of the whole text. Tokenizing a corpus takes seconds, and one process often needs the same one
+    again (each artifact of a report, the base's check, each test): the last few results are kept, keyed by the
+    tokenizer's full serialization (vocabulary, merges, special tokens) and the text's hash."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    key = None
+    if backend is not None:
+        key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), hashlib.sha256(text.encode()).hexdigest(),
+               add_special_tokens, type(tokenizer).__name__)
+        if key in _TOKENIZED:
+            _TOKENIZED.move_to_end(key)
+            return _TOKENIZED[key]
+    ids = torch.tensor(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], dtype=torch.int64)
+    if key is not None:
+        _TOKENIZED[key] = ids
+        while len(_TOKENIZED) > 8:
+            _TOKENIZED.popitem(last=False)
+    return ids

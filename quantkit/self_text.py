@@ -25,12 +25,12 @@ TEMPERATURE, TOP_P, MAX_NEW_TOKENS = 1.0, 0.95, 256
 
 
 def entry(model_spec: str, n_tokens: int, seed: int, dtype: str, device: torch.device,
-          prompts: list[str], root=None) -> cache.JsonCache:
+          prompts: list[str], batch_size: int, root=None) -> cache.JsonCache:
     import transformers
 
     parts = dict(base=model_fingerprint(model_spec), n_tokens=n_tokens, seed=seed, dtype=dtype, device=device.type,
                  prompts=hashlib.sha256("\x00".join(prompts).encode()).hexdigest(), temperature=TEMPERATURE,
-                 top_p=TOP_P, max_new_tokens=MAX_NEW_TOKENS, torch=torch.__version__,
+                 top_p=TOP_P, max_new_tokens=MAX_NEW_TOKENS, batch_size=batch_size, torch=torch.__version__,
                  transformers=transformers.__version__)
     return cache.JsonCache(cache.cache_root(root), "self-text", cache.key(**parts))
 
@@ -45,11 +45,13 @@ def sample_stream(model, tokenizer, prompts: list[str], n_tokens: int, seed: int
     if pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     stream: list[int] = []
-    start, r = time.perf_counter(), 0
+    start, r, made = time.perf_counter(), 0, 0
     try:
         while len(stream) < n_tokens:
-            stream += _batch(model, tokenizer, prompts, r, seed, batch_size, device, eos)
-            r += 1
+            # a last batch only as large as the missing tokens need, at the mean conversation length so far
+            rows = batch_size if not made else min(batch_size, -(-(n_tokens - len(stream)) * made // len(stream)))
+            stream += _batch(model, tokenizer, prompts, r, seed, batch_size, rows, device, eos)
+            r, made = r + 1, made + rows
             done = time.perf_counter() - start
             report.info(f"self text batch {r}: {min(len(stream), n_tokens)}/{n_tokens} tokens  {done:6.1f} s  "
                         f"ETA {fmt_eta(done / min(len(stream), n_tokens) * max(n_tokens - len(stream), 0))}")
@@ -58,8 +60,8 @@ def sample_stream(model, tokenizer, prompts: list[str], n_tokens: int, seed: int
     return stream[:n_tokens]
 
 
-def _batch(model, tokenizer, prompts, r, seed, batch_size, device, eos) -> list[int]:
-    index = [(r * batch_size + j) for j in range(batch_size)]
+def _batch(model, tokenizer, prompts, r, seed, batch_size, rows, device, eos) -> list[int]:
+    index = [(r * batch_size + j) for j in range(rows)]
     texts = [render(tokenizer, prompts[i % len(prompts)]) for i in index]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not tokenizer.chat_template)
     enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
@@ -82,7 +84,7 @@ def tokens(model_spec: str, n_tokens: int, purpose: str, dtype: str, device: tor
     """n_tokens ids of the model's own text, from the cache or generated now. load(): the model and tokenizer
     (runtime.Loaded) on `device`, called only on a cache miss; by default loaded here and freed after."""
     prompts = load_prompts(None)
-    e = entry(model_spec, n_tokens, SEEDS[purpose] + seed, dtype, device, prompts, root)
+    e = entry(model_spec, n_tokens, SEEDS[purpose] + seed, dtype, device, prompts, batch_size, root)
     hit = e.get()
     if hit is not None:
         report.info(f"self text: {n_tokens} tokens cached in {e.folder}")

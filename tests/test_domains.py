@@ -201,3 +201,12 @@ def test_a_gate_for_a_domain_not_evaluated_is_a_recipe_error(tiny_llama, tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and ("gates.per_domain.chat: the domain is not evaluated (release.eval.datasets "
                                      "gives wikitext2, code)") in err
+
+
+def test_token_ids_are_the_tokenizers_and_kept_per_tokenizer_and_text(tok):
+    text = data.read_text(data.resolve("math", "eval", "x"))[:20000]
+    first = data.token_ids(tok, text, add_special_tokens=False)
+    assert first.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert data.token_ids(tiny_tokenizer(), text, add_special_tokens=False) is first  # an equal tokenizer: kept
+    assert data.token_ids(tok, text + " x", add_special_tokens=False) is not first
+    assert not torch.equal(data.token_ids(tiny_tokenizer(384), text, add_special_tokens=False), first)

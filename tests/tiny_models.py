@@ -3,6 +3,7 @@ trained on the bundled WikiText-2 validation text, saved as ordinary HF folders 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -10,9 +11,10 @@ import torch
 WIKI_VALID = Path(__file__).resolve().parents[1] / "evals" / "data" / "wikitext-2-raw" / "wiki.valid.raw"
 
 
-def tiny_tokenizer(vocab_size: int = 512):
+@functools.lru_cache(maxsize=None)
+def _trained_tokenizer(vocab_size: int) -> str:
+    """A byte-level BPE trained on WikiText-2 lines, as JSON: trained once per session (seconds), copied per model."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -21,7 +23,15 @@ def tiny_tokenizer(vocab_size: int = 512):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     lines = WIKI_VALID.read_text(encoding="utf-8").splitlines()[:2000]
     tok.train_from_iterator(lines, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return tok.to_str()
+
+
+def tiny_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_trained_tokenizer(vocab_size)),
+                                   unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)

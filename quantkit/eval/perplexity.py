@@ -21,7 +21,7 @@ def eval_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch
     """A text domain's evaluation split (conversations in the tokenizer's chat template when it has one)."""
     path = data.resolve(dataset, "eval", f"--dataset {dataset}")
     text = data.read_text(path, field=f"--dataset {dataset}", render_chat=data.chat_renderer(tokenizer, None))
-    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
+    ids = data.token_ids(tokenizer, text)
     return ids[:max_tokens] if max_tokens else ids
 
 

@@ -63,7 +63,7 @@ def build(tokenizer, cfg: Calibration, model_spec: str | None = None, dtype: str
         else:
             path = data.resolve(part.dataset, "calibration", where)
             text = data.read_text(path, part.text_field, where, render)
-            ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+            ids = data.token_ids(tokenizer, text, add_special_tokens=False)
             # windows may overlap, but a text shorter than its windows would mostly repeat itself
             need = count * cfg.seq_len
             if ids.numel() < need:
