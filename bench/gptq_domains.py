@@ -96,17 +96,18 @@ def main() -> int:
     rows, cols = [], ["rtn", "gptq[wikitext2]", "gptq[mixture]", "gptq[mixture, mse]"]
     for n in names:
         w = modules[n].weight.data.float()
-        mix = sum(hess[d] for d in DOMAINS) / len(DOMAINS)
+        h = {d: hess[d][n] for d in DOMAINS}
+        mix = sum(h.values()) / len(DOMAINS)
         q = {"rtn": rtn_quantize(w, spec).dequantize(),
-             "gptq[wikitext2]": GPTQ(hess["wikitext2"].float() * 2, spec, args.damp, act_order=True).quantize(w)[0]
+             "gptq[wikitext2]": GPTQ(h["wikitext2"].float() * 2, spec, args.damp, act_order=True).quantize(w)[0]
              .dequantize(),
              "gptq[mixture]": GPTQ(mix.float() * 2, spec, args.damp, act_order=True).quantize(w)[0].dequantize(),
              "gptq[mixture, mse]": GPTQ(mix.float() * 2, spec, args.damp, act_order=True, observer="mse")
              .quantize(w)[0].dequantize()}
-        err = {c: {d: rel_err(q[c] - w, w, hess[d]) for d in DOMAINS} for c in cols}
+        err = {c: {d: rel_err(q[c] - w, w, h[d]) for d in DOMAINS} for c in cols}
         k = max(1, w.shape[1] // 8)
         rows.append({"module": n, "err": err,
-                     "outside_top_eighth_of_wikitext2": {d: outside_energy(hess["wikitext2"], hess[d], k)
+                     "outside_top_eighth_of_wikitext2": {d: outside_energy(h["wikitext2"], h[d], k)
                                                          for d in DOMAINS}})
         print(f"{n}: " + "; ".join(f"{c} " + " ".join(f"{err[c][d] / err['rtn'][d]:.2f}" for d in DOMAINS)
                                    for c in cols[1:]), file=sys.stderr, flush=True)
