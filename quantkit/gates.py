@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .recipe import Gates
+from .recipe import Gates, QualityGates
 
 LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "byte_perplexity")
 MAIN_METRICS = ("acc", "acc_norm", "exact_match", "word_perplexity")
@@ -62,7 +62,7 @@ def _quality(gates: Gates, domains: dict[str, dict]) -> list[GateResult]:
     out = []
     for d in [*domains, *(d for d in gates.per_domain if d not in domains)]:
         m, own = domains.get(d, {}), gates.per_domain.get(d)
-        g = gates.model_dump(include={"ppl_increase_pct", "kld_mean_max", "same_top_min"})
+        g = gates.model_dump(include=set(QualityGates.model_fields))
         if own is not None:
             g |= {k: v for k, v in own.model_dump().items() if v is not None}
         ppl = m.get("ppl") or {}

@@ -16,7 +16,7 @@ import time
 import torch
 
 from .eval import cache
-from .eval.generation import load_prompts, render
+from .eval.generation import left_padded, load_prompts, render
 from .model import model_fingerprint
 from .progress import Reporter, fmt_eta
 
@@ -40,13 +40,9 @@ def sample_stream(model, tokenizer, prompts: list[str], n_tokens: int, seed: int
                   device: torch.device, report: Reporter) -> list[int]:
     """n_tokens ids: conversations in prompt order (cycling), batch r sampled under seed (seed, r), left-padded."""
     eos = tokenizer.eos_token_id
-    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "left"
-    if pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     stream: list[int] = []
     start, r, made = time.perf_counter(), 0, 0
-    try:
+    with left_padded(tokenizer):
         while len(stream) < n_tokens:
             # a last batch only as large as the missing tokens need, at the mean conversation length so far
             rows = batch_size if not made else min(batch_size, -(-(n_tokens - len(stream)) * made // len(stream)))
@@ -55,8 +51,6 @@ def sample_stream(model, tokenizer, prompts: list[str], n_tokens: int, seed: int
             done = time.perf_counter() - start
             report.info(f"self text batch {r}: {min(len(stream), n_tokens)}/{n_tokens} tokens  {done:6.1f} s  "
                         f"ETA {fmt_eta(done / min(len(stream), n_tokens) * max(n_tokens - len(stream), 0))}")
-    finally:
-        tokenizer.padding_side, tokenizer.pad_token = side, pad_token
     return stream[:n_tokens]
 
 

@@ -10,6 +10,7 @@ model's text against the base's (rouge-score, its default tokenizer).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,12 +52,8 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size
     """Generated token ids per prompt, cut at the first end-of-sequence token."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "left"  # generation continues from the right end of every row
-    if pad_token is None:  # many base models ship no pad token: batches are padded with eos, as generate() does
-        tokenizer.pad_token = tokenizer.eos_token
     out: list[list[int]] = []
-    try:
+    with left_padded(tokenizer):
         batches = range(0, len(prompts), batch_size)
         for b in report.steps(label, len(batches)):
             texts = [render(tokenizer, p) for p in prompts[b * batch_size : (b + 1) * batch_size]]
@@ -66,9 +63,21 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size
                                  temperature=None, top_p=None, top_k=None)
             for row in gen[:, enc["input_ids"].shape[1]:].tolist():
                 out.append(row[: row.index(eos)] if eos in row else row)
+    return out
+
+
+@contextmanager
+def left_padded(tokenizer):
+    """Batches padded on the left, so generation continues from the right end of every row; a tokenizer without a
+    pad token (many base models) pads with eos, as generate() does. Restored afterwards."""
+    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"
+    if pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        yield
     finally:
         tokenizer.padding_side, tokenizer.pad_token = side, pad_token
-    return out
 
 
 def compare(base: list[list[int]], model: list[list[int]], tokenizer, prompts: list[str], samples: int = 3) -> dict:

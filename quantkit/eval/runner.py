@@ -173,9 +173,10 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
     with report.timed("load"):
         loaded = None if vllm else runtime.load(model_path, o.dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_path) if vllm else loaded.tokenizer
-    specs = {data.domain_name(d): d for d in data.expand(o.datasets)}  # table name -> domain or file
-    if len(specs) < len(data.expand(o.datasets)):
-        raise QuantkitError(f"--dataset: two files share a name ({', '.join(data.expand(o.datasets))}); rename one")
+    expanded = data.expand(o.datasets)
+    specs = {data.domain_name(d): d for d in expanded}  # table name -> domain or file
+    if len(specs) < len(expanded):
+        raise QuantkitError(f"--dataset: two files share a name ({', '.join(expanded)}); rename one")
     domains = list(specs)
     if data.SELF in domains and not o.base:
         raise QuantkitError("--dataset self: text the original model writes; pass --base")
