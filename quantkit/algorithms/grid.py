@@ -12,6 +12,14 @@ from dataclasses import dataclass
 import torch
 
 SCALE_DTYPE = torch.float16
+# weights per step of the row-wise loops below: their float32 temporaries stay ~16 MB, whatever the Linear's size
+# (a streamed 8192-wide MLP weight would otherwise hold three 64 MB float32 copies at once)
+STEP = 1 << 22
+
+
+def row_steps(rows: int, cols: int) -> list[slice]:
+    step = max(1, STEP // max(cols, 1))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
 @dataclass(frozen=True)
@@ -50,14 +58,18 @@ class QuantizedWeight:
         return tuple(self.codes.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        g_idx = self.g_idx
-        if g_idx is None:  # contiguous groups: broadcast per group instead of gathering (same values, faster)
-            out, cols = self.codes.shape
-            groups = self.scale.shape[1]
-            codes = self.codes.float().reshape(out, groups, cols // groups)
-            return ((codes - self.zero.float()[..., None]) * self.scale.float()[..., None]).reshape(out, cols).to(dtype)
-        g_idx = g_idx.long()
-        return ((self.codes.float() - self.zero.float()[:, g_idx]) * self.scale.float()[:, g_idx]).to(dtype)
+        g_idx = None if self.g_idx is None else self.g_idx.long()
+        out, cols = self.codes.shape
+        groups = self.scale.shape[1]
+        w = torch.empty(out, cols, dtype=dtype, device=self.codes.device)
+        for r in row_steps(out, cols):  # each row on its own: the same values as all at once
+            codes, zero, scale = self.codes[r].float(), self.zero[r].float(), self.scale[r].float()
+            if g_idx is None:  # contiguous groups: broadcast per group instead of gathering (same values, faster)
+                codes = codes.reshape(-1, groups, cols // groups)
+                w[r] = ((codes - zero[..., None]) * scale[..., None]).reshape(-1, cols).to(dtype)
+            else:
+                w[r] = ((codes - zero[:, g_idx]) * scale[:, g_idx]).to(dtype)
+        return w
 
 
 def find_params(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
+from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes, row_steps
 
 
 def rtn_quantize(weight: torch.Tensor, spec: GridSpec, observer: str = "minmax") -> QuantizedWeight:
     out, cols = weight.shape
     span, groups = spec.span(cols), spec.groups(cols)
-    w = weight.float().reshape(out * groups, span)  # one row per (output row, group)
-    scale, zero = OBSERVERS[observer](w, spec)
-    codes = quantize_codes(w, scale[:, None], zero[:, None], spec.maxq)
-    return QuantizedWeight(
-        codes=codes.reshape(out, cols).to(torch.uint8),
-        scale=scale.reshape(out, groups).to(SCALE_DTYPE),
-        zero=zero.reshape(out, groups).to(torch.uint8),
-        spec=spec,
-    )
+    codes = torch.empty(out, cols, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(out, groups, dtype=SCALE_DTYPE, device=weight.device)
+    zero = torch.empty(out, groups, dtype=torch.uint8, device=weight.device)
+    for r in row_steps(out, cols):  # rows are independent: a few MB of float32 at a time
+        w = weight[r].float().reshape(-1, span)  # one row per (output row, group)
+        s, z = OBSERVERS[observer](w, spec)
+        codes[r] = quantize_codes(w, s[:, None], z[:, None], spec.maxq).reshape(-1, cols)
+        scale[r], zero[r] = s.reshape(-1, groups), z.reshape(-1, groups)
+    return QuantizedWeight(codes=codes, scale=scale, zero=zero, spec=spec)

@@ -80,6 +80,8 @@ class ShardWriter:
         self.weight_map[name] = len(self.files)
         self.size += nbytes
         self.total += nbytes
+        if self.size > self.max_bytes:  # any next tensor opens the next shard: write this one now, not hold it
+            self._flush()
 
     def _flush(self) -> None:
         path = self.folder / f".shard-{len(self.files):05d}.safetensors"
@@ -88,7 +90,8 @@ class ShardWriter:
         self.shard, self.size = {}, 0
 
     def close(self) -> list[str]:
-        self._flush()
+        if self.shard or not self.files:
+            self._flush()
         if len(self.files) == 1:
             self.files[0].rename(self.folder / WEIGHTS_NAME)
             return [WEIGHTS_NAME]

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ..algorithms.grid import row_steps
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -20,7 +22,17 @@ def packed_length(n: int, bits: int) -> int:
 
 def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Pack unsigned integers (< 2**bits) along `dim` into int32 words."""
-    v = values.movedim(dim, -1).to(torch.int64)
+    v = values.movedim(dim, -1)
+    lead, n = v.shape[:-1], v.shape[-1]
+    rows = v.reshape(-1, n)
+    words = torch.empty(rows.shape[0], packed_length(n, bits), dtype=torch.int32)
+    for r in row_steps(*rows.shape):  # the int64 temporaries of a few rows at a time, not of the whole weight
+        words[r] = _pack_rows(rows[r], bits)
+    return words.reshape(*lead, -1).movedim(-1, dim).contiguous()
+
+
+def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    v = values.to(torch.int64)
     n = v.shape[-1]
     v = torch.nn.functional.pad(v, (0, (-n) % 32)).reshape(*v.shape[:-1], -1, 32)
     words = torch.zeros(*v.shape[:-1], bits + 1, dtype=torch.int64)
@@ -30,8 +42,7 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         if offset + bits > 32:
             words[..., word + 1] |= v[..., k] >> (32 - offset)
     words = words[..., :bits].reshape(*v.shape[:-2], -1)[..., : packed_length(n, bits)]
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.movedim(-1, dim).contiguous()
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def unpack(words: torch.Tensor, bits: int, n: int, dim: int) -> torch.Tensor:
