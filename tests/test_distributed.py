@@ -86,6 +86,22 @@ def test_two_ranks_calibrate_every_expert_of_an_moe_model(tiny_factory, tmp_path
     assert (runs[1] / "model.safetensors").read_bytes() == (runs[2] / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_two_ranks_with_activations_on_disk_in_batches_write_the_one_process_artifact(tiny_factory, tmp_path, arch):
+    """Each rank's 8 windows in batches of 3, 3 and 2, spilled to files: the waves of batched GPTQ reduce the same
+    Hessians in the same order as one process running one forward."""
+    runs = {}
+    for nproc, offload in ((1, ""), (2, ", offload: disk, batch_size: 3")):
+        recipe = write_recipe(tmp_path / f"{nproc}.yaml", tiny_factory(arch), tmp_path / f"p{nproc}", GPTQ, ("gptq",),
+                              samples=16)
+        recipe.write_text(recipe.read_text().replace("seed: 0}", "seed: 0" + offload + "}"))
+        run = quantkit("quantize", recipe, "--nproc", nproc)
+        assert run.returncode == 0, run.stderr
+        runs[nproc] = tmp_path / f"p{nproc}" / "gptq"
+    assert "activations on disk, 3 batches of 3 windows" in run.stderr
+    assert (runs[1] / "model.safetensors").read_bytes() == (runs[2] / "model.safetensors").read_bytes()
+
+
 @pytest.mark.slow
 def test_two_ranks_on_smollm2_write_the_one_process_artifact(smollm2_hf, tmp_path):
     runs = {}

@@ -20,9 +20,11 @@ STAGES = {
     "gptq": "gptq: {bits: 4, group_size: 32, sym: false, act_order: true}",
     "awq+gptq": "awq: {bits: 4, group_size: 32, zero_point: true, grid: 4}\n  - gptq: {bits: 4, group_size: 32, sym: false}",
     "sq-w8a8": "smoothquant: {alpha: 0.8}\n  - gptq: {bits: 8, group_size: -1, activations: {bits: 8}}",
+    "sq-rtn": "smoothquant: {alpha: 0.8}\n  - rtn: {bits: 8, group_size: -1, activations: {bits: 8}}",
 }
 FORMATS = {"rtn": ("gptq", "compressed-tensors", "awq"), "gptq": ("gptq", "compressed-tensors"),
-           "awq+gptq": ("awq", "compressed-tensors"), "sq-w8a8": ("compressed-tensors",)}
+           "awq+gptq": ("awq", "compressed-tensors"), "sq-w8a8": ("compressed-tensors",),
+           "sq-rtn": ("compressed-tensors",)}
 
 
 def sharded_checkpoint(folder: Path, tied: bool, layers: int = 4, hidden: int = 64, shard: str = "60KB",
@@ -150,7 +152,8 @@ def test_activations_that_cannot_fit_fail_before_any_work(checkpoints, tmp_path,
     assert run_cli(monkeypatch, "quantize", recipe) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: memory plan: the run needs ")
-    assert "the largest part is activations" in err[-1]
+    # auto offload tried the device, host memory and then disk: even files cannot hold them
+    assert "of disk space under export.output" in err[-1] and "the largest part is hidden_states" in err[-1]
     assert err[-1].endswith("lower calibration.num_samples or calibration.seq_len")
     assert not any(line.startswith("calibration:") for line in err)
     assert not (tmp_path / "o").exists()

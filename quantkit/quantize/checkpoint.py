@@ -3,7 +3,8 @@
 After block i the run saves, under EXPORT_OUTPUT/.quantkit-resume/KEY/:
   block-i.safetensors   the block's float state as the next blocks see it (scales folded, weights replaced by
                         their dequantized values) and its quantized weights (codes, scales, zeros / FP8)
-  hidden-i.safetensors  the hidden states entering block i+1
+  hidden-i.safetensors  the hidden states entering block i+1, a key per batch (activations.Activations.save;
+                        offloaded to disk: a file per batch)
   state.json            {"done": i, losses, pass counters}: written last, by rename, so it never names a block
                         whose files are incomplete
 KEY hashes everything the result depends on (recipe stages and calibration, the model's files, the calibration
@@ -25,6 +26,7 @@ from torch import nn
 from ..algorithms.fp8 import Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
 from ..files import write_json_atomic
+from .activations import Activations
 from .distributed import Ranks
 
 FOLDER = ".quantkit-resume"
@@ -84,10 +86,10 @@ class BlockCheckpoints:
         path = self.folder / "state.json"
         return json.loads(path.read_text()) if path.is_file() else {"done": -1}
 
-    def save(self, i: int, block: nn.Module, qweights: dict, losses: dict, hidden: torch.Tensor, extra: dict) -> None:
+    def save(self, i: int, block: nn.Module, qweights: dict, losses: dict, hidden: Activations, extra: dict) -> None:
         """Block i is complete: qweights / losses are the block's own entries, hidden what enters block i+1."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        _save({"hidden": hidden}, self._hidden(i))
+        hidden.save(self._hidden(i))
         self.ranks.barrier()
         if self.ranks.rank == 0:
             q, specs = _pack_weights(qweights)
@@ -97,11 +99,13 @@ class BlockCheckpoints:
                     "extra": extra}
             write_json_atomic(self.folder / "state.json", body, indent=None)
         self.ranks.barrier()  # state.json names block i: the older hidden states can go
-        self._hidden(i - 1).unlink(missing_ok=True)  # only the newest one is ever read
+        for old in Activations.saved(self._hidden(i - 1)):  # only the newest one is ever read
+            old.unlink(missing_ok=True)
 
-    def restore(self, blocks: nn.ModuleList, device: torch.device, put, qweights: dict) -> tuple[torch.Tensor, dict, dict]:
+    def restore(self, blocks: nn.ModuleList, put, qweights: dict, hidden: Activations) -> tuple[dict, dict]:
         """Hands blocks 0..done to put(i, block, state, block_qweights) one at a time, after adding the block's
-        quantized weights to `qweights`; returns (hidden entering block done+1, losses, extra)."""
+        quantized weights to `qweights`, and loads the hidden states entering block done+1 into `hidden`; returns
+        (losses, extra)."""
         state = self.state
         for i in range(state["done"] + 1):
             tensors = load_file(str(self.folder / f"block-{i}.safetensors"))
@@ -109,8 +113,8 @@ class BlockCheckpoints:
             specs = {n: s for n, s in state["specs"].items() if f"q.{n}.scale" in tensors}
             qweights |= _unpack_weights(tensors, specs)
             put(i, blocks[i], block_state, qweights)
-        hidden = load_file(str(self._hidden(state["done"])))["hidden"].to(device)
-        return hidden, state["losses"], state.get("extra", {})
+        hidden.load(self._hidden(state["done"]))
+        return state["losses"], state.get("extra", {})
 
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

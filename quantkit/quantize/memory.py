@@ -3,27 +3,36 @@ against what is free: a run that cannot fit stops at once with one line naming t
 being OOM-killed an hour in.
 
 The parts (bytes on top of the process as it starts):
-  weights      in memory: the whole model in the compute dtype, plus the codes of every quantized weight;
-               streamed: the largest block plus the largest module outside the blocks, plus one block's codes
-  artifact     the shard being filled, per format: min(export.max_shard_size, the artifact's estimated size)
-  activations  the hidden states entering and leaving a block (num_samples x seq_len x hidden), and the block's
-               largest intermediate tensors during its forward (the MLP's and the attention's)
-  solver       quantizing and packing the widest weight (float32 copies, codes, packed words); GPTQ adds the
-               Hessian of the widest input with its damped copy and factors
-  runtime      a fixed allowance for what the allocator keeps after a free, Python objects and lazily loaded code
+  weights        in memory: the whole model in the compute dtype, plus the codes of every quantized weight;
+                 streamed: the largest block plus the largest module outside the blocks, plus one block's codes
+  artifact       the shard being filled, per format: min(export.max_shard_size, the artifact's estimated size)
+  hidden_states  the hidden states entering and leaving a block (num_samples x seq_len x hidden): on the device,
+                 in host memory or on disk (calibration.offload; disk: host memory holds the batch in transit)
+  activations    the block's largest intermediate tensors during the forward of one batch of windows (the MLP's
+                 and the attention's; calibration.batch_size)
+  solver         quantizing and packing the widest weight (float32 copies, codes, packed words); GPTQ adds the
+                 Hessian of the widest input with its damped copy and factors
+  runtime        a fixed allowance for what the allocator keeps after a free, Python objects and lazily loaded code
+  checkpoint     (disk) the hidden states each finished block saves to resume from
 On CUDA the block, activations and solver sit on the device and the rest on the host.
+`choose` tries the offloads in order (device, cpu, disk) and, for each, batches from every window down to one, and
+takes the first plan that fits.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..algorithms.grid import STEP
 from ..errors import QuantkitError
 from ..recipe import parse_size
+from .activations import OFFLOADS, Offload
 
 GiB = 1 << 30
 RUNTIME = 64 << 20  # measured: 20-40 MiB of allocator slack over a 16-block streamed GPTQ run
@@ -55,7 +64,10 @@ def host_available() -> int:
 class MemoryPlan:
     host: dict[str, int] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)
+    disk: dict[str, int] = field(default_factory=dict)  # under export.output
     advice: dict[str, str] = field(default_factory=dict)  # part -> the option that shrinks it
+    offload: str = "device"
+    batch_size: int | None = None
 
     @property
     def host_total(self) -> int:
@@ -65,33 +77,83 @@ class MemoryPlan:
     def device_total(self) -> int:
         return sum(self.device.values())
 
+    @property
+    def disk_total(self) -> int:
+        return sum(self.disk.values())
+
     def describe(self) -> str:
         parts = lambda d: ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d.items() if v)  # noqa: E731
         line = f"memory plan: host {fmt_bytes(self.host_total)} ({parts(self.host)})"
         if self.device:
             line += f"; device {fmt_bytes(self.device_total)} ({parts(self.device)})"
-        return line
+        if self.disk_total:
+            line += f"; disk {fmt_bytes(self.disk_total)} ({parts(self.disk)})"
+        return line + f"; hidden states on {self.offload}" + (f", {self.batch_size} windows per forward"
+                                                              if self.batch_size else "")
 
-    def check(self, host_free: int, device_free: int | None) -> None:
+    def fits(self, host_free: int, device_free: int | None, disk_free: int | None) -> bool:
+        try:
+            self.check(host_free, device_free, disk_free)
+        except QuantkitError:
+            return False
+        return True
+
+    def check(self, host_free: int, device_free: int | None, disk_free: int | None = None) -> None:
         for where, need, free, parts in (("host", self.host_total, host_free, self.host),
-                                         ("device", self.device_total, device_free, self.device)):
+                                         ("device", self.device_total, device_free, self.device),
+                                         ("disk", self.disk_total, disk_free, self.disk)):
             if free is not None and need > free:
                 biggest = max((k for k in parts if k != "runtime"), key=parts.get)  # the fixed part is no lever
+                what = "disk space under export.output" if where == "disk" else f"{where} memory"
                 raise QuantkitError(
-                    f"memory plan: the run needs {fmt_bytes(need)} of {where} memory and {fmt_bytes(free)} is free; "
+                    f"memory plan: the run needs {fmt_bytes(need)} of {what} and {fmt_bytes(free)} is free; "
                     f"the largest part is {biggest} ({fmt_bytes(parts[biggest])}): {self.advice[biggest]}")
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"host_total": self.host_total, "device_total": self.device_total}
+        return asdict(self) | {"host_total": self.host_total, "device_total": self.device_total,
+                               "disk_total": self.disk_total}
 
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def disk_available(path: str | Path) -> int:
+    """Free bytes on the file system that holds `path` (or would: its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def choose(plan_for, recipe, host_free: int, device_free: int | None, disk_free: int | None
+           ) -> tuple[Offload, MemoryPlan]:
+    """The first (offload, batch) whose plan fits: calibration.offload (auto: device, then cpu, then disk) and
+    calibration.batch_size (None: every window, then halves down to one). plan_for(offload) -> MemoryPlan. When none
+    fits, the last one tried says why."""
+    c = recipe.calibration
+    if not recipe.needs_calibration:  # no activations to place
+        p = plan_for(Offload())
+        p.check(host_free, device_free, disk_free)
+        return Offload(), p
+    wheres = OFFLOADS if c.offload == "auto" else (c.offload,)
+    sizes = [c.batch_size] if c.batch_size else sorted({max(1, c.num_samples >> k) for k in range(64)}, reverse=True)
+    if any(s.name == "awq" for s in recipe.stages):  # its scale search scores every window at once
+        sizes = [max(sizes)]
+    for where in wheres:
+        for b in sizes:
+            offload = Offload(where, None if b >= c.num_samples else b)
+            p = plan_for(offload)
+            if p.fits(host_free, device_free, disk_free):
+                return offload, p
+    p.check(host_free, device_free, disk_free)
+    raise AssertionError("unreachable: a plan that does not fit fails its check")
+
+
 def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear], recipe, streamed: bool,
-         device: torch.device) -> MemoryPlan:
-    """model: the skeleton (meta device is fine: only shapes and dtypes are read); targets: the Linears to quantize."""
+         device: torch.device, offload: Offload = Offload()) -> MemoryPlan:
+    """model: the skeleton (meta device is fine: only shapes and dtypes are read); targets: the Linears to quantize;
+    offload: where the hidden states between blocks live and how many windows a forward takes."""
     cfg = model.config
     weight_stage = recipe.stage.args
     bits = getattr(weight_stage, "bits", 8)
@@ -109,7 +171,7 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     est_artifact = quantized * bits // 8 + quantized // 16 + (total_bytes - quantized * _elt(model))
     shard = min(parse_size(recipe.export.max_shard_size), est_artifact) * len(recipe.export.formats)
 
-    p = MemoryPlan()
+    p = MemoryPlan(offload=offload.where, batch_size=offload.batch_size)
     on_device = device.type == "cuda"
     weights = block_bytes + outer_bytes + block_codes if streamed else total_bytes + codes
     p.host["weights"] = weights
@@ -118,35 +180,55 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     p.host["artifact"] = shard
     p.advice["artifact"] = "lower export.max_shard_size"
     p.host["runtime"] = RUNTIME
-    acts = solver = 0
+    acts = hidden = hidden_host = solver = 0
     if recipe.needs_calibration:  # RTN alone reads no data
         c = recipe.calibration
-        tokens = c.num_samples * c.seq_len
+        batch = offload.batch_size or c.num_samples
         elt = _elt(model)
-        hidden = cfg.hidden_size
-        inter = max((m.out_features for m in targets.values()), default=hidden)
+        per_window = c.seq_len * cfg.hidden_size * elt  # one window's hidden states
+        inter = max((m.out_features for m in targets.values()), default=cfg.hidden_size)
         heads = getattr(cfg, "num_attention_heads", 1)
-        attn = c.num_samples * heads * c.seq_len * c.seq_len * elt if \
+        attn = batch * heads * c.seq_len * c.seq_len * elt if \
             getattr(cfg, "_attn_implementation", "eager") == "eager" else 0
-        # in + out of the block, the MLP's two widest activations and one hidden-sized temporary, the attention
-        acts = tokens * elt * (2 * hidden + 3 * inter + hidden) + attn
+        # during a batch's forward: the MLP's two widest activations and one hidden-sized temporary, the attention
+        acts = batch * c.seq_len * elt * (3 * inter + cfg.hidden_size) + attn
+        hidden = 2 * c.num_samples * per_window  # every window entering and leaving the block
+        if offload.where != "device":
+            acts += 2 * batch * per_window  # the batch being read and the one being written, on the device
+        if offload.where == "disk":
+            p.disk["hidden_states"], hidden = hidden, 0
+            hidden_host = 2 * batch * per_window  # in transit between the files and the device
+        p.disk["checkpoint"] = c.num_samples * per_window
+        p.advice["checkpoint"] = p.advice["hidden_states"] = "lower calibration.num_samples or calibration.seq_len"
         if any(s.name in ("awq", "smoothquant") for s in recipe.stages):
-            acts += 2 * tokens * hidden * elt  # the block's cached inputs that AWQ's search replays
-        widest_in = max((m.in_features for m in targets.values()), default=hidden)
+            acts += 2 * batch * per_window  # the block's cached inputs that AWQ's search replays
+        widest_in = max((m.in_features for m in targets.values()), default=cfg.hidden_size)
         if any(s.name == "awq" for s in recipe.stages):  # freed before the weight stage's Hessians exist
             solver = widest_in * widest_in * (8 + 4)  # the Gram matrix of up -> down: fp64 sum + a window's fp32
         if recipe.stage.name == "gptq":
             # the fp64 Hessian sum and one window's fp32 term while it accumulates; then its fp32 value and two of
             # its factors at a time (algorithms/gptq.py frees each as the next is made), plus act-order's permuted copy
             solver = max(solver, 4 * widest_in * widest_in * 4)
-    # quantizing and packing the widest weight: a float32 copy, its error / dequantized copy, uint8 codes and
-    # the int32 words they are packed from
-    solver += max((m.weight.numel() for m in targets.values()), default=0) * (4 + 4 + 1 + 4)
-    p.advice["activations"] = "lower calibration.num_samples or calibration.seq_len"
-    p.advice["solver"] = "the widest Linear's Hessian: use a device with more memory"
+    widest = max((m.weight.numel() for m in targets.values()), default=0)
+    if recipe.stage.name == "gptq":
+        # GPTQ on the widest weight: its float32 copy and error, uint8 codes, the int32 words they are packed from
+        solver += widest * (4 + 4 + 1 + 4)
+    else:
+        # round-to-nearest, loss and packing go a few rows at a time (grid.row_steps): the codes, the dequantized
+        # copy in the weight's dtype, the packed words, and one step's float32 / int64 temporaries
+        solver += widest * (1 + _elt(model) + 1) + min(STEP, widest) * (4 + 4 + 8 + 8)
+    p.advice["activations"] = ("set calibration.batch_size lower, or calibration.offload: auto to pick one"
+                               if offload.batch_size else "set calibration.batch_size (windows per forward) or "
+                               "calibration.offload: auto")
+    if offload.where != "disk":
+        p.advice["hidden_states"] = "set calibration.offload: disk, or lower calibration.num_samples or seq_len"
+    p.advice["solver"] = ("the widest Linear's Hessian: use a device with more memory" if recipe.stage.name == "gptq"
+                          else "the widest Linear: use a machine with more memory")
     where = p.device if on_device else p.host
     where["activations"] = acts
     where["solver"] = solver
+    if hidden or hidden_host:
+        (where if offload.where == "device" else p.host)["hidden_states"] = hidden or hidden_host
     if on_device:
         p.device["block"] = block_bytes
         p.advice["block"] = "one block is this large: use a device with more memory"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from torch import nn
 
 from ..algorithms.fp8 import Fp8Weight, fp8_quantize
 from ..algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
-from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..algorithms.grid import GridSpec, QuantizedWeight, row_steps
 from ..algorithms.rtn import rtn_quantize
 from ..errors import QuantkitError
 from ..export.base import QuantInfo
@@ -45,6 +46,7 @@ from ..progress import Reporter, fmt_eta
 from ..recipe import MoE, Stage, WeightQuant
 from . import transforms as transform_passes
 from .calibration import CalibrationSet
+from .activations import Activations, Offload
 from .checkpoint import BlockCheckpoints
 from .distributed import Ranks
 from .source import InMemory, Streamed
@@ -174,9 +176,11 @@ def _rtn(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[Quantize
     else:  # AWQ's arguments have no observer: its clip search is its own
         qw = rtn_quantize(module.weight.data, spec, getattr(args, "observer", "minmax"))
     deq = qw.dequantize(module.weight.dtype).to(module.weight.device)
-    loss = float((deq.float() - module.weight.float()).square().mean())
+    w = module.weight.data
+    squares = sum(float((deq[r].float() - w[r].float()).square().sum(dtype=torch.float64))
+                  for r in row_steps(*w.shape))  # a few MB of float32 at a time
     module.weight.data = deq
-    return qw, loss
+    return qw, squares / w.numel()
 
 
 def quantize(
@@ -191,14 +195,16 @@ def quantize(
     source: "InMemory | Streamed | None" = None,
     ranks: Ranks = Ranks(),
     moe_args: MoE = MoE(),
+    offload: Offload = Offload(),
 ) -> QuantResult:
     """stage: the weight stage; transforms: the transform stages before it, in recipe order; checkpoints: where
     the layer-wise run saves each finished block and resumes from (None: no checkpoints); source: where each block's
     weights come from and where a finished block goes (None: `model` is in memory); ranks: the processes sharing
-    the calibration (a single one by default); moe_args: how experts are calibrated."""
+    the calibration (a single one by default); moe_args: how experts are calibrated; offload: where the hidden
+    states between blocks live and how many windows a block forward takes."""
     source = source or InMemory()
     prefix, targets, info = plan(model, stage, formats, transforms)
-    # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_block)
+    # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_weights)
     own = [stage] if stage.name in transform_passes.PASSES else []
     passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1], ranks,
                                     calib.tokens.shape[0] if calib is not None else 0)
@@ -219,8 +225,12 @@ def quantize(
                 source.done(i, block, result.qweights)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
+        windows = ranks.share(calib.tokens).shape[0]
+        if offload.batch_size and offload.batch_size < windows and any(p.name == "awq" for p in passes):
+            raise QuantkitError(f"calibration.batch_size: awq scores its scales on every window at once; "
+                                f"{offload.batch_size} of {windows} per forward needs gptq, rtn or smoothquant")
         _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source, ranks,
-                   moe_args)
+                   moe_args, offload)
     for p in passes:
         report.info(p.summary())
     result.timings = dict(report.timings)
@@ -232,28 +242,45 @@ PASS_COUNTERS = ("ratios", "clipped", "smoothed")  # what each pass's summary() 
 
 def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter,
                checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks,
-               moe_args: MoE) -> None:
+               moe_args: MoE, offload: Offload) -> None:
     _, blocks = decoder_blocks(model)
     tokens = ranks.share(calib.tokens)
     if tokens.shape[0] == 0:
         raise QuantkitError(f"calibration.num_samples: {calib.tokens.shape[0]} windows for {ranks.world} processes; "
                             "every process needs at least one")
-    with report.timed("capture"), source.capture():
-        hidden, calls = capture_block_inputs(model, blocks, tokens)
-    if hidden.device.type == "meta":
-        raise QuantkitError("model: capturing block 0's inputs used a weight outside the blocks that no module call "
-                            "loads; use load: memory")
-    hidden = hidden.to(device)
-    report.info(
-        f"{result.info.method}: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration "
-        f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
-        + (f", {ranks.world} processes ({tokens.shape[0]} windows on rank {ranks.rank})" if ranks.active else "")
-    )
+    hidden = Activations(offload.where, device, tokens.shape[0], offload.batch_size or tokens.shape[0],
+                         offload.folder)
+    try:
+        with report.timed("capture"), source.capture():
+            calls = {}  # windows in a batch -> each block's call arguments (masks, rotary embeddings) at that size
+            for k, rows in enumerate(hidden.rows):
+                x, calls_k = capture_block_inputs(model, blocks, tokens[rows])
+                if x.device.type == "meta":
+                    raise QuantkitError("model: capturing block 0's inputs used a weight outside the blocks that no "
+                                        "module call loads; use load: memory")
+                calls.setdefault(x.shape[0], calls_k)
+                hidden.write(k, x)
+            hidden.advance()
+        report.info(
+            f"{result.info.method}: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration "
+            f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
+            + (f", {ranks.world} processes ({tokens.shape[0]} windows on rank {ranks.rank})" if ranks.active else "")
+            + ("" if hidden.one_batch and offload.where == "device" else f", {offload.describe(tokens.shape[0])}")
+        )
+        _blocks(model, blocks, stage, passes, device, prefix, targets, result, report, checkpoints, source, ranks,
+                moe_args, hidden, calls)
+    finally:
+        hidden.close()
+
+
+def _blocks(model, blocks, stage, passes, device, prefix, targets, result: QuantResult, report: Reporter,
+            checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks, moe_args: MoE,
+            hidden: Activations, calls: dict) -> None:
     # Linears (by name inside a block) that read one input, learned block by block
     groups: dict[str, tuple[str, ...]] = {}
     first = 0
     if checkpoints is not None and checkpoints.state["done"] >= 0:
-        hidden, losses, extra = checkpoints.restore(blocks, device, source.restore, result.qweights)
+        losses, extra = checkpoints.restore(blocks, source.restore, result.qweights, hidden)
         result.losses |= losses
         for p, counters in zip(passes, extra.get("passes", [])):
             for k, v in counters.items():
@@ -267,18 +294,28 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         t0 = time.perf_counter()
         source.load(i, block, device)
         names = {m: n for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
-        call_args, call_kwargs = to_device(calls[i], device)
+        block_calls = {size: to_device(c[i], device) for size, c in calls.items()}
         experts = [e for _, e in moe.experts_of(block)]
 
         def run(x: torch.Tensor) -> torch.Tensor:
             # calibration forwards only: AWQ's scale search re-runs modules for their output alone
+            call_args, call_kwargs = block_calls[x.shape[0]]
             with torch.no_grad(), moe.calibrating(experts, moe_args.calibrate_all_experts):
                 out = block(x, *call_args, **call_kwargs)
             return out[0] if isinstance(out, tuple) else out
 
+        def run_all(hooks=None) -> None:
+            """The block over every batch, its output as the next block's input."""
+            for k in range(len(hidden)):
+                out = run(hidden.read(k)) if hooks is None else hooks(run, hidden.read(k))
+                _check_finite(out, f"after {prefix}.{i}")
+                hidden.write(k, out)
+            hidden.advance()
+
         # SmoothQuant right before gptq smooths inside gptq's forward, one forward less per block (rtn rounds
-        # every weight before its forward, so it needs the scales folded first)
-        inline = passes[-1] if stage.name == "gptq" and passes and \
+        # every weight before its forward, so it needs the scales folded first; several batches need every batch's
+        # statistics before the fold)
+        inline = passes[-1] if stage.name == "gptq" and passes and hidden.one_batch and \
             isinstance(passes[-1], transform_passes.SmoothQuantPass) else None
         for p in passes:
             if p is inline:
@@ -286,7 +323,8 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
             with report.timed(p.name):
                 handles = p.observe(i, block)
                 try:
-                    run(hidden)  # float block: only the hooks' statistics matter
+                    for k in range(len(hidden)):
+                        run(hidden.read(k))  # float block: only the hooks' statistics matter
                 finally:
                     for handle in handles:
                         handle.remove()
@@ -294,17 +332,22 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                     report.warn(warning)
         handles, inline_warnings = inline.inline(i, block) if inline else ([], list)
         try:
-            if stage.name == "gptq":
-                hidden = _gptq_block(run, hidden, names, stage.args, result, report, ranks, groups, f"{prefix}.{i}.",
-                                     moe_args)
+            if stage.name == "gptq" and hidden.one_batch:
+                run_all(lambda run, x: _gptq_block(run, x, names, stage.args, result, report, ranks, groups,
+                                                   f"{prefix}.{i}.", moe_args))
             else:
-                hidden = _rtn_block(run, hidden, names, stage.args, result, report)
+                if stage.name == "gptq":
+                    with report.timed("forward+quantize"):
+                        _gptq_passes(run, hidden, names, stage.args, result, report, ranks, f"{prefix}.{i}.", moe_args)
+                else:
+                    _rtn_weights(names, stage.args, result, report)
+                with report.timed("forward"):
+                    run_all(_act_quant_hooks(names, result.info.activations))
         finally:
             for handle in handles:
                 handle.remove()
         for warning in inline_warnings():
             report.warn(warning)
-        _check_finite(hidden, f"after {prefix}.{i}")
         block.to("cpu")
         if checkpoints is not None:
             with report.timed("checkpoint"):
@@ -321,22 +364,26 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                     f"ETA {fmt_eta(eta)}  loss {losses}")
 
 
-def _rtn_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
-               report: Reporter) -> torch.Tensor:
+def _rtn_weights(names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult, report: Reporter) -> None:
     with report.timed("rtn"), torch.no_grad():
         for module, name in names.items():
             result.qweights[name], result.losses[name] = _rtn(module, args, result.info.spec)
-    act = result.info.activations
-    handles = [] if act is None else [
-        m.register_forward_pre_hook(lambda _, inputs: (fake_quantize_tokens(inputs[0], act), *inputs[1:]))
-        for m in names
-    ]
-    try:
-        with report.timed("forward"):
-            return run(hidden)
-    finally:
-        for handle in handles:
-            handle.remove()
+
+
+def _act_quant_hooks(names: dict[nn.Linear, str], act: str | None):
+    """The block's forward as the quantized model runs it: W8A8 Linears read their input quantized per token."""
+    def forward(run, x: torch.Tensor) -> torch.Tensor:
+        handles = [] if act is None else [
+            m.register_forward_pre_hook(lambda _, inputs: (fake_quantize_tokens(inputs[0], act), *inputs[1:]))
+            for m in names
+        ]
+        try:
+            return run(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return forward
 
 
 def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
@@ -429,9 +476,121 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         inputs_seen.clear()
     # what this block taught about which Linears read one input (a dense first block says nothing about experts)
     groups.update({m: tuple(g) for g in seen for m in g if m not in groups})
+    _unreached(names, args, result, report)
+    return hidden
+
+
+def _expert(name: str) -> tuple[str, str] | None:
+    """'...mlp.experts.3.down_proj' -> ('...mlp', '3'): the experts module and the expert a Linear belongs to."""
+    head, sep, tail = name.rpartition(".experts.")
+    return (head, tail.partition(".")[0]) if sep else None
+
+
+def _independent(a: str, b: str) -> bool:
+    """Two Linears of different experts of one MoE MLP: neither reads what the other computes."""
+    ea, eb = _expert(a), _expert(b)
+    return ea is not None and eb is not None and ea[0] == eb[0] and ea[1] != eb[1]
+
+
+def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
+                 report: Reporter, ranks: Ranks, block: str, moe_args: MoE = MoE()) -> None:
+    """GPTQ of one block whose windows come in several batches (offloaded activations). A Linear cannot be solved at
+    its first call, which sees one batch only, so the block runs over every batch once per wave of Linears: a wave
+    sums the Hessian of every not yet quantized Linear whose input depends on quantized Linears only (and on the
+    other experts of its MoE MLP, which it does not read), and solves them once every batch is in. The next wave
+    sees them quantized, as the one-forward path's later Linears do (true-sequential). A forward stops at the first
+    Linear that must wait for this wave. Linears reading one tensor (q/k/v, gate/up, every expert's gate/up when
+    every expert sees every token) share one Hessian and one factorization."""
+    spec, act = result.info.spec, result.info.activations
+    by_name = {n: m for m, n in names.items()}
+    while True:
+        hessians: dict[str, Hessian] = {}  # wave's groups, by their first member's name
+        members: dict[str, list[str]] = {}
+
+        def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
+            name, x = names[module], inputs[0]
+            xq = x if act is None else fake_quantize_tokens(x, act)
+            passthrough = None if act is None else (xq, *inputs[1:])
+            if moe.replaying(module) or name in result.qweights:
+                return passthrough
+            earlier = forward["unquantized"]  # (name, input) of this forward's float Linears so far
+            if any(n == name for n, _ in earlier):  # a Linear called twice in one forward counts its first call
+                return passthrough
+            if any(r() is not x and not _independent(n, name) for n, r in earlier):
+                earlier.append((name, weakref.ref(x)))
+                if _expert(name) is None:  # everything after it may read what it computes
+                    raise _Stop
+                return passthrough
+            key = next((n for n, r in earlier if r() is x), name)
+            earlier.append((name, weakref.ref(x)))
+            if key == name:
+                hessians.setdefault(key, Hessian(module.in_features, x.device))
+                _check_finite(x, f"entering {name}")
+                rows = xq
+                if rows.dim() == 2 and rows.shape[0] == forward["windows"] * forward["len"]:  # MoE flattens tokens
+                    rows = rows.view(forward["windows"], forward["len"], -1)
+                hessians[key].add(rows)
+            group = members.setdefault(key, [])
+            if name not in group:
+                group.append(name)
+            return passthrough
+
+        handles = [m.register_forward_pre_hook(pre_hook) for m in names]
+        try:
+            for k in range(len(hidden)):
+                x = hidden.read(k)
+                forward = {"unquantized": [], "windows": x.shape[0], "len": x.shape[1]}
+                try:
+                    run(x)
+                except _Stop:
+                    pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if ranks.active:  # the same groups on every rank (one forward's structure), in one order
+            union: dict[str, list[str]] = {}
+            for theirs in ranks.all_gather(members):
+                for key, group in theirs.items():
+                    union.setdefault(key, [])
+                    union[key] += [n for n in group if n not in union[key]]
+            members = {k: union[k] for k in sorted(union)}
+        if not members:
+            break
+        for key, group in members.items():
+            with report.timed("hessian+gptq"):
+                h = hessians.get(key) or Hessian(by_name[key].in_features, by_name[key].weight.device)
+                if ranks.active:
+                    ranks.all_reduce(h.sum)
+                    h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
+                if h.count < moe_args.min_tokens and _expert(key) is not None:
+                    for n in group:
+                        report.warn(f"{n}: only {h.count} calibration tokens routed to this expert "
+                                    f"(moe.min_tokens {moe_args.min_tokens}); quantized with RTN")
+                        result.qweights[n], result.losses[n] = _rtn(by_name[n], args, spec)
+                        result.tokens[n] = h.count
+                    continue
+                owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in group})
+                mine = [n for n in group if owner[n] == ranks.rank]
+                solved = {}
+                if mine:
+                    try:
+                        solver = GPTQ(h.take(), spec, args.damp, args.block_size, args.act_order,
+                                      warn=lambda m: report.warn(f"{group[0]}: {m}"), observer=args.observer)
+                    except NotPositiveDefinite as err:
+                        raise QuantkitError(f"gptq: {group[0]}: {err}; raise damp") from None
+                    solved = dict(zip(mine, solver.quantize_many([by_name[n].weight.data for n in mine])))
+                for n in group:
+                    qw, loss = ranks.broadcast(solved.get(n), owner[n])
+                    target = by_name[n]
+                    target.weight.data = qw.dequantize(target.weight.dtype).to(target.weight.device)
+                    result.qweights[n], result.losses[n] = qw, loss
+                    result.tokens[n] = h.count
+    _unreached(names, args, result, report)
+
+
+def _unreached(names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult, report: Reporter) -> None:
     for module, name in names.items():  # never called during the forward: no data, fall back to RTN
         if name not in result.qweights:
             report.warn(f"{name} was not reached by calibration data; quantized with RTN")
-            result.qweights[name], _ = _rtn(module, args, spec)
+            result.qweights[name], _ = _rtn(module, args, result.info.spec)
             result.losses[name] = float("nan")
-    return hidden

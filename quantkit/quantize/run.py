@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from ..progress import Reporter
 from ..recipe import Recipe, parse_size
 from ..versions import package_versions
 from . import calibration, distributed, memory, pipeline
+from .activations import FOLDER as ACTIVATIONS
 from .checkpoint import BlockCheckpoints, run_key
 from .memory import fmt_bytes, host_available
 from .source import InMemory, Streamed
@@ -29,14 +31,16 @@ from .source import InMemory, Streamed
 
 def recipe_fingerprint(recipe: Recipe) -> dict:
     """What the quantized weights depend on: the recipe without its export / release / gates sections, nor how the
-    weights are loaded (both paths give the same bytes, so a killed in-memory run resumes streamed)."""
-    return recipe.model_dump(mode="json", exclude={"export", "release", "gates", "load"})
+    weights are loaded (both paths give the same bytes, so a killed in-memory run resumes streamed), nor where the
+    activations go (the run key has the layout the memory plan resolved)."""
+    skip = {k: True for k in ("export", "release", "gates", "load")}
+    return recipe.model_dump(mode="json", exclude=skip | {"calibration": {"offload": True, "batch_size": True}})
 
 
 def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_ranks: int = 1):
-    """(Streamed source or None for in-memory, the memory plan), decided and checked before any weight is read.
-    load: auto streams a safetensors folder whenever the whole model would take over half the free host memory.
-    local_ranks: processes on this node, each with the plan's host memory to itself."""
+    """(Streamed source or None for in-memory, the memory plan, where the activations go), decided and checked before
+    any weight is read. load: auto streams a safetensors folder whenever the whole model would take over half the
+    free host memory. local_ranks: processes on this node, each with the plan's host memory to itself."""
     folder, gguf = resolve_model_path(recipe.model)
     local = not gguf and Path(folder).is_dir()
     if recipe.load == "stream" and not local:
@@ -51,15 +55,22 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)[1]
     host_free = host_available() // local_ranks
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    disk_free = memory.disk_available(recipe.export.output) // local_ranks
     in_memory = memory.plan(skeleton, blocks, targets, recipe, False, device)
     if streamed is not None and recipe.load == "auto" and in_memory.host_total <= host_free // 2:
         streamed = None
-    chosen = memory.plan(skeleton, blocks, targets, recipe, True, device) if streamed else in_memory
-    report.info(f"{chosen.describe()}; free: host {fmt_bytes(host_free)}"
-                + (f" per process ({local_ranks} on this node)" if local_ranks > 1 else "")
-                + (f", device {fmt_bytes(device_free)}" if device_free is not None else ""))
-    chosen.check(host_free, device_free)
-    return streamed, chosen
+    free = (f"free: host {fmt_bytes(host_free)}" + (f" per process ({local_ranks} on this node)" if local_ranks > 1
+                                                     else "")
+            + (f", device {fmt_bytes(device_free)}" if device_free is not None else "") + f", disk {fmt_bytes(disk_free)}")
+    try:
+        offload, chosen = memory.choose(
+            lambda off: memory.plan(skeleton, blocks, targets, recipe, streamed is not None, device, off), recipe,
+            host_free, device_free, disk_free)
+    except QuantkitError as err:
+        report.info(free)
+        raise err from None
+    report.info(f"{chosen.describe()}; {free}")
+    return streamed, chosen, replace(offload, folder=Path(recipe.export.output) / ACTIVATIONS)
 
 
 def _alive(pid: str) -> bool:
@@ -103,11 +114,15 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
         for stale in [*out_root.glob(f".{fmt}.partial-*"), *out_root.glob(f".{fmt}.replaced-*")]:
             if not _alive(stale.name.rpartition("-")[2]):
                 shutil.rmtree(stale, ignore_errors=True)
+    for stale in (out_root / ACTIVATIONS).glob("*"):  # the activations a killed run offloaded to disk
+        if not _alive(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
     device = pick_device(recipe.device)
     if device.type == "cuda" and ranks.active:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     torch.manual_seed(0)
-    streamed, mem_plan = choose_source(recipe, device, report, int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
+    streamed, mem_plan, offload = choose_source(recipe, device, report,
+                                                int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
     tokenizer = streamed.tokenizer if streamed else load_tokenizer(recipe.model)
     if streamed and recipe.calibration and any(p.dataset == "self" for p in calibration.parts_of(recipe.calibration)):
         raise QuantkitError("calibration.dataset: self samples from the whole model, but it does not fit in memory "
@@ -137,7 +152,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     if calib is not None:
         key = run_key({"recipe": recipe_fingerprint(recipe), "model": model_fingerprint(recipe.model),
                        "calibration": calib.sha256, "device": device.type, "versions": versions,
-                       "processes": ranks.world})
+                       "processes": ranks.world, "offload": [offload.where, offload.batch_size]})
         checkpoints = BlockCheckpoints(out_root, key, ranks)
         if not resume and ranks.rank == 0:
             checkpoints.clear()
@@ -152,7 +167,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
                                 for fmt, dest in dests.items()}
         with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
             result = pipeline.quantize(model, recipe.stage, calib, device, recipe.export.formats, report,
-                                       recipe.transforms, checkpoints, source, ranks, recipe.moe)
+                                       recipe.transforms, checkpoints, source, ranks, recipe.moe, offload)
         manifest = {
             "quantkit_version": versions["quantkit"],
             "recipe": recipe.model_dump(mode="json"),

@@ -1,0 +1,133 @@
+"""calibration.offload / batch_size: the hidden states between blocks on the device, in host memory or in files, and
+the block run over batches of windows. Batched GPTQ is still true-sequential, so it writes the one-forward run's
+bytes; the memory plan picks the layout that fits, and names the option when none does."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli, write_recipe
+from test_resume import quantize, safetensors_bytes
+from test_streaming import FORMATS, STAGES, sharded_checkpoint
+from tiny_models import tiny_config, tiny_tokenizer
+
+
+def recipe(tmp_path: Path, name: str, model: Path, stage: str, offload: str | None = None, batch: int | None = None,
+           samples: int = 8, **kw) -> Path:
+    path = write_recipe(tmp_path / f"{name}.yaml", model, tmp_path / name, STAGES[stage], FORMATS[stage],
+                        samples=samples, **kw)
+    extra = (f", offload: {offload}" if offload else "") + (f", batch_size: {batch}" if batch else "")
+    path.write_text(path.read_text().replace("seed: 0}", "seed: 0" + extra + "}"))
+    return path
+
+
+def run(monkeypatch, tmp_path: Path, path: Path) -> dict:
+    out = tmp_path / (path.stem + ".json")
+    assert run_cli(monkeypatch, "quantize", path, "--quiet", "--json", out) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return sharded_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", tied=False, layers=3)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", len(tok), layers=2), dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("ckpt") / "moe"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("offload,batch", [("cpu", 2), ("disk", 3), ("device", 5)])
+@pytest.mark.parametrize("stage", ["gptq", "sq-rtn", "sq-w8a8"])
+def test_batched_runs_write_the_one_forward_bytes(llama, tmp_path, monkeypatch, offload, batch, stage):
+    """GPTQ (and SmoothQuant then RTN) over 2-4 batches, one of them short, gives the one-forward run's codes bit for
+    bit: every batch's windows are summed in the same order, and each Linear is solved after the ones it reads."""
+    one = run(monkeypatch, tmp_path, recipe(tmp_path, "one", llama, stage))
+    assert one["memory"]["plan"]["offload"] == "device" and one["memory"]["plan"]["batch_size"] is None
+    got = run(monkeypatch, tmp_path, recipe(tmp_path, "batched", llama, stage, offload, batch))
+    assert got["memory"]["plan"]["offload"] == offload and got["memory"]["plan"]["batch_size"] == batch
+    if stage != "sq-w8a8":
+        for fmt in FORMATS[stage]:
+            want, have = safetensors_bytes(tmp_path / "one" / fmt), safetensors_bytes(tmp_path / "batched" / fmt)
+            assert want.keys() == have.keys() and all(want[k] == have[k] for k in want), fmt
+    else:
+        # SmoothQuant before GPTQ: one batch folds its scales inside GPTQ's forward (gate/up's from the quantized
+        # attention's output), several batches in a float forward first; the losses stay within a few percent
+        assert got["loss_total"] == pytest.approx(one["loss_total"], rel=0.05)
+    assert not (tmp_path / "batched" / ".quantkit-activations").exists()  # the spill files go with the run
+
+
+def test_moe_batched_gptq_is_byte_identical_and_counts_every_token(moe, tmp_path, monkeypatch):
+    one = run(monkeypatch, tmp_path, recipe(tmp_path, "one", moe, "gptq"))
+    got = run(monkeypatch, tmp_path, recipe(tmp_path, "batched", moe, "gptq", "disk", 3))
+    assert got["loss_total"] == one["loss_total"]
+    for fmt in FORMATS["gptq"]:
+        want, have = safetensors_bytes(tmp_path / "one" / fmt), safetensors_bytes(tmp_path / "batched" / fmt)
+        assert want.keys() == have.keys() and all(want[k] == have[k] for k in want), fmt
+
+
+def test_auto_offloads_to_disk_when_memory_is_short(llama, tmp_path, monkeypatch):
+    """Free host memory below what every window's hidden states need, even one window per forward, but above the disk
+    plan's: auto spills to files, and the plan it logs and checks is the one the run used."""
+    from quantkit.quantize import run as run_module
+
+    plans = {}
+    for where in ("device", "disk"):  # the smallest plan of each: one window per forward
+        got = run(monkeypatch, tmp_path, recipe(tmp_path, where, llama, "gptq", where, 1, samples=64))
+        plans[where] = got["memory"]["plan"]["host_total"]
+    assert plans["disk"] < plans["device"]
+    free = (plans["disk"] + plans["device"]) // 2
+    monkeypatch.setattr(run_module, "host_available", lambda: free)
+    got = run(monkeypatch, tmp_path, recipe(tmp_path, "auto", llama, "gptq", samples=64))["memory"]["plan"]
+    assert got["offload"] == "disk" and got["disk"]["hidden_states"] > 0 and got["host_total"] <= free
+    assert got["batch_size"] > 1  # the most windows per forward that fit
+    want, have = safetensors_bytes(tmp_path / "device" / "gptq"), safetensors_bytes(tmp_path / "auto" / "gptq")
+    assert want == have
+
+
+def test_device_offload_that_cannot_fit_names_the_options(llama, tmp_path, monkeypatch, capsys):
+    from quantkit.quantize import run as run_module
+
+    # 2048 windows of 512 tokens: 1 GiB of hidden states, far more than the free memory the test grants
+    path = recipe(tmp_path, "dev", llama, "gptq", "device", samples=2048, seq_len=512)
+    monkeypatch.setattr(run_module, "host_available", lambda: 256 << 20)
+    assert run_cli(monkeypatch, "quantize", path) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: memory plan: the run needs ") and "of host memory and 0.25 GiB is free" in err
+    assert "the largest part is hidden_states" in err
+    assert err.endswith("set calibration.offload: disk, or lower calibration.num_samples or seq_len")
+    assert not (tmp_path / "dev").exists()
+
+
+def test_awq_refuses_batches(llama, tmp_path, monkeypatch, capsys):
+    path = recipe(tmp_path, "awq", llama, "awq+gptq", "cpu", 2)
+    assert run_cli(monkeypatch, "quantize", path) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: calibration.batch_size: awq scores its scales on every window at once; 2 of 8 per forward needs "
+        "gptq, rtn or smoothquant")
+
+
+def test_disk_offloaded_kill_and_resume_is_byte_identical(llama, tmp_path):
+    whole = recipe(tmp_path, "whole", llama, "gptq")
+    assert quantize(whole).returncode == 0
+    path = recipe(tmp_path, "out", llama, "gptq", "disk", 3)
+    assert quantize(path, kill_after_block=0).returncode == -signal.SIGKILL
+    assert list((tmp_path / "out" / ".quantkit-activations").glob("*/in-*.safetensors"))  # left by the kill
+    resumed = quantize(path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after block 1/3" in resumed.stderr
+    assert not (tmp_path / "out" / ".quantkit-activations").exists()
+    for fmt in FORMATS["gptq"]:
+        assert safetensors_bytes(tmp_path / "out" / fmt) == safetensors_bytes(tmp_path / "whole" / fmt), fmt
