@@ -267,10 +267,13 @@ def test_no_vllm_environment_is_one_line(tiny_factory):
 
 FAKE_WORKER = """\
     #!{python}
-    # stands in for vLLM's interpreter: answers the load, then dies (or dies at once)
-    import json, os, sys
+    # stands in for vLLM's interpreter: answers the load, then dies (or dies at once, or hangs)
+    import json, os, sys, time
     open({pidfile!r}, "w").write(str(os.getpid()))
-    if {at_once}:
+    if {at_once} == "hang":
+        print("INFO loading weights", file=sys.stderr, flush=True)
+        time.sleep(600)
+    if {at_once} is True:
         print("RuntimeError: no kernels for this CPU", file=sys.stderr)
         sys.exit(3)
     os.fdopen(1, "w").write(json.dumps({{"ok": True, "vllm": "0.0", "quantization": None, "dtype": "f16"}}) + "\\n")
@@ -285,6 +288,8 @@ FAKE_WORKER = """\
     (True, "error: vllm: the worker died (exit code 3) during load: RuntimeError: no kernels for this CPU"),
     (False, "error: vllm: the worker died (exit code 11) during prompt_logprobs: Fatal Python error: "
             "Segmentation fault"),
+    ("'hang'", "error: vllm: the worker gave no reply to load within 3 s and was stopped (set QUANTKIT_VLLM_TIMEOUT "
+               "to wait longer); its last line: INFO loading weights"),
 ])
 def test_a_crashed_worker_is_one_line_and_leaves_no_process(tiny_factory, tmp_path, at_once, line):
     fake = tmp_path / "python"
@@ -292,7 +297,7 @@ def test_a_crashed_worker_is_one_line_and_leaves_no_process(tiny_factory, tmp_pa
                                                        at_once=at_once)))
     fake.chmod(0o755)
     run = cli("eval", tiny_factory("llama"), "--engine", "vllm", "--vllm-python", fake, "--seq-len", 64,
-              "--max-tokens", 256)
+              "--max-tokens", 256, env=os.environ | {"QUANTKIT_VLLM_TIMEOUT": "3"})
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.strip().splitlines()[-1] == line
     pid = int((tmp_path / "pid").read_text())

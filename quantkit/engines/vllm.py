@@ -3,13 +3,15 @@ under the interpreter of vLLM's own environment, which pins its own transformers
 
 The interpreter comes from --vllm-python or $QUANTKIT_VLLM_PYTHON (`make vllm-env` builds one). The worker runs vLLM
 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a session of its own, so closing it leaves nothing behind; a model
-vLLM refuses, or a worker that dies, ends with one line naming the reason.
+vLLM refuses, a worker that dies, or one that gives no reply within $QUANTKIT_VLLM_TIMEOUT seconds (default 3600: a
+big model's load, or a long bench, takes minutes), ends with one line naming the reason.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import tempfile
@@ -21,6 +23,7 @@ from ..errors import QuantkitError
 
 # run as a script under vLLM's interpreter, from a folder with no module named like a package it imports
 WORKER = Path(__file__).parent / "workers" / "vllm_serve.py"
+TIMEOUT_S = 3600
 HOW = "pass --vllm-python or set QUANTKIT_VLLM_PYTHON to a venv's python with vLLM (make vllm-env builds one)"
 
 
@@ -90,11 +93,12 @@ class VllmEngine:
                                 "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
         return self.info
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 30) -> None:
+        """Ends the worker: stdin closed, `wait_s` for it to leave, then its whole session is killed."""
         if self.proc is not None:
             try:
                 self.proc.stdin.close()
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=wait_s)
             except (OSError, subprocess.TimeoutExpired):
                 pass
             try:  # the worker's session: vLLM's own helpers too
@@ -107,9 +111,17 @@ class VllmEngine:
             self.tmp.cleanup()
 
     def _call(self, request: dict, what: str) -> dict:
+        timeout = float(os.environ.get("QUANTKIT_VLLM_TIMEOUT", TIMEOUT_S))
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
+            # one reply line per request, read whole: nothing waits in stdout's buffer while select() looks
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:
+                last = self._last_error()
+                self.close(wait_s=0)
+                raise QuantkitError(f"vllm: the worker gave no reply to {request['op']} within {timeout:g} s and was "
+                                    f"stopped (set QUANTKIT_VLLM_TIMEOUT to wait longer); its last line: {last}")
             line = self.proc.stdout.readline()
         except BrokenPipeError:
             line = ""
