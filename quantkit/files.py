@@ -1,4 +1,5 @@
-"""Writes that never leave a half-written file: a temp file next to the target, then an atomic rename."""
+"""Writes that never leave a half-written file (a temp file next to the target, then an atomic rename), and what a
+model's weights weigh."""
 
 from __future__ import annotations
 
@@ -20,3 +21,13 @@ def write_text_atomic(path: Path | str, text: str) -> Path:
 
 def write_json_atomic(path: Path | str, body: dict, indent: int | None = 2) -> Path:
     return write_text_atomic(path, json.dumps(body, indent=indent) + "\n")
+
+
+def weight_bytes(path: str | Path, model=None) -> tuple[int, str]:
+    """The bytes of a model's weights: its safetensors files, else (a GGUF file, a hub id) its parameters in memory,
+    tied ones once; with where the number comes from."""
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if files or model is None:
+        return sum(f.stat().st_size for f in files), "safetensors files"
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values()), "parameters in memory"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engines.vllm import VllmEngine, interpreter, served_config, serving_dtype
+from ..files import weight_bytes
 from ..progress import Reporter
 
 
@@ -35,7 +36,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _summary(name: str, path: str, dtype: str, raw: dict, o: ServingOptions) -> list[dict]:
-    weight_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    size = weight_bytes(path)[0]
     capacity = raw["kv_blocks"] * raw["block_size"]
     rows = []
     for run in raw["runs"]:
@@ -51,7 +52,7 @@ def _summary(name: str, path: str, dtype: str, raw: dict, o: ServingOptions) -> 
             "itl_ms": {"p50": 1e3 * _pct(itl, 0.5), "p99": 1e3 * _pct(itl, 0.99)},
             "decode_tok_s_per_seq": 1 / statistics.median(itl) if itl else float("nan"),
             "overhead_vs_bare_generate": min(walls) / run["bare_generate_s"] - 1,
-            "weight_bytes": weight_bytes, "kv_capacity_tokens": capacity,
+            "weight_bytes": size, "kv_capacity_tokens": capacity,
             "kv_capacity_sequences": capacity // (o.prompt_len + o.gen_len),
         })
     return rows

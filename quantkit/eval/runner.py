@@ -18,6 +18,7 @@ import torch
 
 from .. import data, runtime, self_text
 from ..errors import QuantkitError
+from ..files import weight_bytes
 from ..model import model_fingerprint, pick_device, resolve_model_path
 from ..progress import Reporter
 from ..quantize.memory import host_available
@@ -49,14 +50,6 @@ class EvalOptions:
     base_load: str = "auto"  # memory | stream (block by block from its safetensors: log-probs only) | auto
     engine: str = "quantkit"  # what runs the model: quantkit's runtime, or vLLM (engines/vllm.py); the base: quantkit
     vllm_python: str | None = None  # vLLM's interpreter (default: $QUANTKIT_VLLM_PYTHON)
-
-
-def weight_bytes(path: str, model) -> tuple[int, str]:
-    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
-    if files:
-        return sum(f.stat().st_size for f in files), "safetensors files"
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # tied weights once
-    return sum(seen.values()), "parameters in memory"
 
 
 def _versions() -> dict:
