@@ -1,7 +1,7 @@
 """Peak host memory of `quantkit quantize` streamed (`load: stream`) against in-memory (`load: memory`) on a
 Llama-shaped bf16 checkpoint bigger than a few GB, side by side in one run.
 
-    python bench/stream_memory.py WORK [--layers 24] [--gptq-layers 4] [--json OUT.json]
+    python bench/stream_memory.py WORK [--layers 24] [--gptq-layers 4] [--only LABEL ...] [--json OUT.json]
 
 1. Writes WORK/ckpt: hidden 2048, intermediate 8192, 16 heads / 8 KV heads, the bundled SmolLM2 tokenizer (vocab
    49152), untied head, bf16, 1 GB safetensors shards. It is written layer by layer, never whole in memory. Weights
@@ -9,6 +9,8 @@ Llama-shaped bf16 checkpoint bigger than a few GB, side by side in one run.
    1 with a few outlier channels, so the quantizers see realistic ranges.
 2. RTN W4 g128 of the whole checkpoint (artifact shards of 64 MB), streamed and in memory; GPTQ W4 g128 (16 x 512 calibration) streamed on a
    slice with the first --gptq-layers layers (same shapes; the whole model's GPTQ takes hours on 2 CPU cores).
+   GPTQ with long windows (16 x 2048) on a 2-layer slice, streamed, with the hidden states on the device (one
+   forward over every window) and offloaded to disk in batches of 2 windows (calibration.offload, batch_size).
 3. Each run is its own `quantkit quantize` process: wall time, peak RSS of the whole process (its own rusage, from
    wait4), the plan quantkit printed, and the ratio peak RSS / checkpoint bytes (for the slice: the bytes of its
    own tensors).
@@ -144,6 +146,7 @@ def main() -> None:
     ap.add_argument("work", type=Path)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--gptq-layers", type=int, default=4)
+    ap.add_argument("--only", nargs="+", help="run these rows only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -153,16 +156,24 @@ def main() -> None:
     print(f"checkpoint {ckpt}: {total / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     sliced = args.work / f"ckpt-{args.gptq_layers}l"
     slice_checkpoint(ckpt, sliced, args.gptq_layers)
+    two = args.work / "ckpt-2l"
+    slice_checkpoint(ckpt, two, 2)
     rtn = "rtn: {bits: 4, group_size: 128, sym: true}"
     gptq = "gptq: {bits: 4, group_size: 128, sym: true}"
     calib = "{dataset: wikitext2, num_samples: 16, seq_len: 512}"
+    long = "{dataset: wikitext2, num_samples: 16, seq_len: 2048, offload: %s}"
     rows = []
     # resident bytes of the slice's model: its shards hold the whole checkpoint's other layers too
     slice_model = 2 * sum(int(torch.Size(v).numel()) for v in _shapes(sliced))
+    two_model = 2 * sum(int(torch.Size(v).numel()) for v in _shapes(two))
     for label, model, load, stage, cal, ref in (
             ("rtn-stream", ckpt, "stream", rtn, None, total), ("rtn-memory", ckpt, "memory", rtn, None, total),
             ("gptq-stream", sliced, "stream", gptq, calib, slice_model),
-            ("gptq-memory", sliced, "memory", gptq, calib, slice_model)):
+            ("gptq-memory", sliced, "memory", gptq, calib, slice_model),
+            ("gptq-2048-device", two, "stream", gptq, long % "device", two_model),
+            ("gptq-2048-disk", two, "stream", gptq, long % "disk, batch_size: 2", two_model)):
+        if args.only and label not in args.only:
+            continue
         row = run(args.work, label, model, load, stage, cal) | {"checkpoint_bytes": ref}
         row["peak_over_checkpoint"] = round(row["peak_rss"] / ref, 3)
         rows.append(row)
