@@ -458,12 +458,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                                  if block + m != name and block + m in by_name and block + m not in result.qweights]
                 owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in todo})
                 mine = solve(st, [n for n in todo if owner[n] == ranks.rank])
-                for n in todo:  # single process: the one solve; several: each owner's result to every rank
-                    qw, loss = ranks.broadcast(mine.get(n), owner[n])
-                    target = by_name[n]
-                    target.weight.data = qw.dequantize(target.weight.dtype).to(target.weight.device)
-                    result.qweights[n], result.losses[n] = qw, loss
-                    result.tokens[n] = st["count"]
+                _install(todo, mine, owner, by_name, st["count"], result, ranks)
         return None if act is None else (st["xq"], *inputs[1:])
 
     handles = [m.register_forward_pre_hook(pre_hook) for m in names]
@@ -478,6 +473,17 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     groups.update({m: tuple(g) for g in seen for m in g if m not in groups})
     _unreached(names, args, result, report)
     return hidden
+
+
+def _install(todo: list[str], solved: dict, owner: dict[str, int], by_name: dict[str, nn.Linear], tokens: int,
+             result: QuantResult, ranks: Ranks) -> None:
+    """Each solved Linear's result, from its owner to every rank (one process: the one solve), swapped in."""
+    for n in todo:
+        qw, loss = ranks.broadcast(solved.get(n), owner[n])
+        target = by_name[n]
+        target.weight.data = qw.dequantize(target.weight.dtype).to(target.weight.device)
+        result.qweights[n], result.losses[n] = qw, loss
+        result.tokens[n] = tokens
 
 
 def _expert(name: str) -> tuple[str, str] | None:
@@ -579,12 +585,7 @@ def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: We
                     except NotPositiveDefinite as err:
                         raise QuantkitError(f"gptq: {group[0]}: {err}; raise damp") from None
                     solved = dict(zip(mine, solver.quantize_many([by_name[n].weight.data for n in mine])))
-                for n in group:
-                    qw, loss = ranks.broadcast(solved.get(n), owner[n])
-                    target = by_name[n]
-                    target.weight.data = qw.dequantize(target.weight.dtype).to(target.weight.device)
-                    result.qweights[n], result.losses[n] = qw, loss
-                    result.tokens[n] = h.count
+                _install(group, solved, owner, by_name, h.count, result, ranks)
     _unreached(names, args, result, report)
 
 
