@@ -111,12 +111,17 @@ def test_device_offload_that_cannot_fit_names_the_options(llama, tmp_path, monke
     assert not (tmp_path / "dev").exists()
 
 
-def test_awq_refuses_batches(llama, tmp_path, monkeypatch, capsys):
-    path = recipe(tmp_path, "awq", llama, "awq+gptq", "cpu", 2)
-    assert run_cli(monkeypatch, "quantize", path) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: calibration.batch_size: awq scores its scales on every window at once; 2 of 8 per forward needs "
-        "gptq, rtn or smoothquant")
+@pytest.mark.parametrize("samples", [8, 80])
+def test_awq_in_batches_writes_the_one_forward_bytes(llama, tmp_path, monkeypatch, samples):
+    """AWQ's statistics add up over the batches; its clip samples and the windows its scale search scores (all 8;
+    64 of 80, past MODULE_LOSS_TOKENS) are picked by their index among all windows, so batches change nothing."""
+    stage = "awq+gptq"
+    one = run(monkeypatch, tmp_path, recipe(tmp_path, "one", llama, stage, samples=samples))
+    got = run(monkeypatch, tmp_path, recipe(tmp_path, "batched", llama, stage, "disk", 3, samples=samples))
+    assert got["loss_total"] == one["loss_total"]
+    for fmt in FORMATS[stage]:
+        want, have = safetensors_bytes(tmp_path / "one" / fmt), safetensors_bytes(tmp_path / "batched" / fmt)
+        assert want.keys() == have.keys() and all(want[k] == have[k] for k in want), fmt
 
 
 def test_disk_offloaded_kill_and_resume_is_byte_identical(llama, tmp_path):

@@ -33,6 +33,7 @@ from ..algorithms.grid import STEP
 from ..errors import QuantkitError
 from ..recipe import parse_size
 from .activations import OFFLOADS, Offload
+from .transforms import MODULE_LOSS_TOKENS
 
 GiB = 1 << 30
 RUNTIME = 64 << 20  # measured: 20-40 MiB of allocator slack over a 16-block streamed GPTQ run
@@ -138,8 +139,6 @@ def choose(plan_for, recipe, host_free: int, device_free: int | None, disk_free:
         return Offload(), p
     wheres = OFFLOADS if c.offload == "auto" else (c.offload,)
     sizes = [c.batch_size] if c.batch_size else sorted({max(1, c.num_samples >> k) for k in range(64)}, reverse=True)
-    if any(s.name == "awq" for s in recipe.stages):  # its scale search scores every window at once
-        sizes = [max(sizes)]
     for where in wheres:
         for b in sizes:
             offload = Offload(where, None if b >= c.num_samples else b)
@@ -200,8 +199,11 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
             hidden_host = 2 * batch * per_window  # in transit between the files and the device
         p.disk["checkpoint"] = c.num_samples * per_window
         p.advice["checkpoint"] = p.advice["hidden_states"] = "lower calibration.num_samples or calibration.seq_len"
-        if any(s.name in ("awq", "smoothquant") for s in recipe.stages):
-            acts += 2 * batch * per_window  # the block's cached inputs that AWQ's search replays
+        if any(s.name == "awq" for s in recipe.stages):  # the module inputs AWQ's scale search replays (a strided
+            # subset of the windows, MODULE_LOSS_TOKENS), and the output it is scored against
+            acts += 2 * min(c.num_samples, max(batch, -(-MODULE_LOSS_TOKENS // c.seq_len))) * per_window
+        elif any(s.name == "smoothquant" for s in recipe.stages):
+            acts += 2 * batch * per_window
         widest_in = max((m.in_features for m in targets.values()), default=cfg.hidden_size)
         if any(s.name == "awq" for s in recipe.stages):  # freed before the weight stage's Hessians exist
             solver = widest_in * widest_in * (8 + 4)  # the Gram matrix of up -> down: fp64 sum + a window's fp32

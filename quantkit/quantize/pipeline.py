@@ -225,10 +225,6 @@ def quantize(
                 source.done(i, block, result.qweights)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
-        windows = ranks.share(calib.tokens).shape[0]
-        if offload.batch_size and offload.batch_size < windows and any(p.name == "awq" for p in passes):
-            raise QuantkitError(f"calibration.batch_size: awq scores its scales on every window at once; "
-                                f"{offload.batch_size} of {windows} per forward needs gptq, rtn or smoothquant")
         _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source, ranks,
                    moe_args, offload)
     for p in passes:
@@ -324,6 +320,8 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 handles = p.observe(i, block)
                 try:
                     for k in range(len(hidden)):
+                        if hasattr(p, "batch"):  # AWQ keeps its samples by their window
+                            p.batch(hidden.rows[k])
                         run(hidden.read(k))  # float block: only the hooks' statistics matter
                 finally:
                     for handle in handles:

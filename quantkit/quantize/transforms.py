@@ -174,6 +174,13 @@ def _windows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.detach().reshape(n, -1, x.shape[-1])
 
 
+def _replay(module: nn.Module, calls: list[tuple]) -> torch.Tensor:
+    """The module's output (a tuple's first element) on the captured calls, one per batch, in window order."""
+    outs = [module(*a, **kw) for a, kw in calls]
+    outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 class AwqPass:
     """AWQ for one recipe stage (a transform before gptq, or the weight stage before its own RTN).
 
@@ -190,6 +197,8 @@ class AwqPass:
         """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have."""
         self.args, self.path, self.ranks = args, path, ranks
         self.mine = ranks.windows(windows)  # this process's windows, by their index among all
+        self.current = self.mine  # those of the batch the block is running on (activations.Activations)
+        self.called: set = set()  # what ran in this batch's forward
         self.total = windows
         self.spec = GridSpec(args.bits, args.group_size, args.sym)
         self.targets: list[dict[str, nn.Linear]] = []  # per block: short name -> Linear that gets quantized
@@ -215,6 +224,10 @@ class AwqPass:
         return (f"{self.name}: {len(self.ratios)} mappings scaled (mean alpha {mean:.2f}, grid {self.args.grid}, "
                 f"duo_scaling {str(self.args.duo_scaling).lower()}), {self.clipped} Linear layers clipped")
 
+    def batch(self, rows: slice) -> None:
+        """The next forward runs on this process's windows `rows` (several batches: calibration.batch_size)."""
+        self.current, self.called = self.mine[rows], set()
+
     def _quantized(self, i: int, m: Mapping) -> tuple[list[nn.Linear], list[str]]:
         kept = [(lin, n) for lin, n in zip(m.linears, m.names) if n in self.targets[i]]
         return [lin for lin, _ in kept], [n for _, n in kept]
@@ -226,10 +239,15 @@ class AwqPass:
             def pre_hook(module: nn.Module, inputs: tuple) -> None:
                 if moe.replaying(module):  # an expert's routed tokens, already seen with all the others
                     return
-                if (i, name) in self.inputs:
+                if (i, name) in self.called:
                     raise QuantkitError(f"{self.path}: {self.block_names[i]}.{name} ran twice in one block forward; "
                                         "AWQ cannot clip it")
-                self.inputs[(i, name)] = self._clip_sample(_windows(inputs[0], len(self.mine)))
+                self.called.add((i, name))
+                t, x = self._clip_sample(_windows(inputs[0], len(self.current)))
+                if (i, name) in self.inputs:  # an earlier batch's sample: the tokens stay in order
+                    t0, x0 = self.inputs[(i, name)]
+                    t, x = torch.cat([t0, t]), torch.cat([x0, x])
+                self.inputs[(i, name)] = (t, x)
 
             return pre_hook
 
@@ -237,7 +255,7 @@ class AwqPass:
             def pre_hook(module: nn.Module, inputs: tuple) -> None:
                 if moe.replaying(module):
                     return
-                x = _windows(inputs[0], len(self.mine))
+                x = _windows(inputs[0], len(self.current))
                 st = self.stats.setdefault(key, {"sum": 0, "count": 0})
                 st["sum"] = st["sum"] + awq.activation_sum(x)
                 st["count"] += x.shape[0] * x.shape[1]
@@ -249,18 +267,20 @@ class AwqPass:
         def call(key: tuple[int, int]):
             def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
                 x = args[0] if args else kwargs.get("hidden_states")
-                if key in self.stats and "call" in self.stats[key]:
+                if ("call", key) in self.called:
                     raise QuantkitError(f"{self.path}: {module.__class__.__name__} ran twice in one block "
                                         "forward; AWQ cannot score it")
+                self.called.add(("call", key))
                 if x is not None and x.dim() >= 2 and self.total * x.shape[1] > MODULE_LOSS_TOKENS:
-                    # evenly spaced windows among all of them; a process scores those in its share
+                    # evenly spaced windows among all of them; a process (a batch) scores those it holds
                     keep = max(1, MODULE_LOSS_TOKENS // x.shape[1])
                     chosen = torch.linspace(0, self.total - 1, keep).round().long().unique()
-                    rows = torch.nonzero(torch.isin(self.mine, chosen)).flatten()
+                    rows = torch.nonzero(torch.isin(self.current, chosen)).flatten()
                     batch = x.shape[0]
-                    args, kwargs = (None, None) if not len(rows) else (_rows(args, rows, batch),
-                                                                       _rows(kwargs, rows, batch))
-                self.stats.setdefault(key, {"sum": 0, "count": 0})["call"] = (args, kwargs)
+                    if not len(rows):
+                        return
+                    args, kwargs = _rows(args, rows, batch), _rows(kwargs, rows, batch)
+                self.stats.setdefault(key, {"sum": 0, "count": 0}).setdefault("calls", []).append((args, kwargs))
 
             return pre_hook
 
@@ -275,10 +295,11 @@ class AwqPass:
 
     def _clip_sample(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every k-th of all calibration tokens, about CLIP_TOKENS of them (the same ones under any split of the
-        windows over processes): their indices among all tokens and their rows of x [windows, tokens, channels]."""
+        windows over processes and batches): their indices among all tokens and their rows of x [windows, tokens,
+        channels]."""
         per = x.shape[1]
         stride = max(1, self.total * per // CLIP_TOKENS)
-        t = (self.mine[:, None] * per + torch.arange(per)).flatten()
+        t = (self.current[:, None] * per + torch.arange(per)).flatten()
         keep = (t % stride == 0) & (t // stride < CLIP_TOKENS)
         return t[keep], x.reshape(-1, x.shape[-1])[keep.to(x.device)].clone()
 
@@ -303,8 +324,6 @@ class AwqPass:
         if len(m.linears) == 1 and m.inspect is m.linears[0]:
             gram = st.get("gram") or Hessian(channels, total.device)
             st["gram"] = (self.ranks.all_reduce(gram.sum) / count).float()
-        elif "call" not in st:
-            st["call"] = (None, None)  # this process's share held none of the scored windows
         return st
 
     def apply(self, i: int, block: nn.Module) -> list[str]:
@@ -322,8 +341,8 @@ class AwqPass:
             if "gram" in st:
                 loss = awq.linear_loss(st["gram"], weights)
             else:
-                args, kwargs = st["call"]
-                run = None if args is None else lambda f=m.inspect, a=args, kw=kwargs: f(*a, **kw)
+                calls = st.get("calls", [])  # none: this process's share held none of the scored windows
+                run = (lambda f=m.inspect, c=calls: _replay(f, c)) if calls else None
                 loss = awq.module_loss(run, linears, self.ranks.all_reduce)
             try:
                 res = awq.search_scale(st["mean"], weights, self.spec, loss, self.args.grid, self.args.duo_scaling)
