@@ -10,8 +10,7 @@ without it the MoE families are reported as blocked, not served.
 
     python bench/vllm_families.py --vllm-python /work/venvs/vllm/bin/python [--families llama,qwen3_moe]
 
-Only the standard library is imported at module level: the same file is vLLM's worker
-(`python vllm_families.py _serve FOLDER DTYPE PROMPTS_JSON`).
+vLLM is driven through quantkit's own worker (`quantkit.engines.vllm.VllmEngine`), one process for every artifact.
 """
 
 from __future__ import annotations
@@ -23,6 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from quantkit.engines.vllm import VllmEngine
+from quantkit.errors import QuantkitError
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 MOE = {"qwen3_moe", "mixtral", "olmoe"}
@@ -31,16 +33,6 @@ STAGES = {
     "w8a8-int8": "gptq: {bits: 8, group_size: -1, sym: true, act_order: false, activations: {type: int}}",
 }
 NEW_TOKENS = 12
-
-
-def serve(folder: str, dtype: str, prompts: str) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=folder, dtype=dtype, max_model_len=256, enforce_eager=True, max_num_seqs=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)],
-                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
 
 
 def amx(python: str) -> bool:
@@ -67,7 +59,7 @@ def quantkit_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-python", default=os.environ.get("QUANTKIT_VLLM_PYTHON"))
-    from tiny_models import SERVABLE_EXTRA, make_servable_model
+    from tiny_models import SERVABLE_EXTRA
 
     ap.add_argument("--families", default=",".join(SERVABLE_EXTRA))
     ap.add_argument("--out-dir", type=Path, default=REPO / "out" / "vllm-families")
@@ -80,6 +72,23 @@ def main() -> int:
     out = args.out_dir
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43], [100, 7, 300, 12, 9]]
     results: dict[str, dict] = {}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with VllmEngine(args.vllm_python) as engine:
+        _families(args, engine, has_amx, out, prompts, results)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = ["| family | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)]
+    for arch, r in results.items():
+        lines.append(f"| {arch} | " + " | ".join(
+            f"{c['same_tokens']}/{c['tokens']} tokens agree" if c.get("served") else c["error"]
+            for c in (r.get(n, {"error": "not run"}) for n in STAGES)) + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def _families(args, engine, has_amx: bool, out: Path, prompts: list[list[int]], results: dict) -> None:
+    from tiny_models import make_servable_model
+
     for arch in args.families.split(","):
         if arch in MOE and not has_amx:
             results[arch] = {name: {"served": False, "error": "blocked: vLLM's CPU MoE kernels need AMX; this CPU "
@@ -97,32 +106,21 @@ def main() -> int:
             subprocess.run([sys.executable, "-m", "quantkit.cli", "quantize", str(recipe), "--overwrite", "--quiet"],
                            check=True)
             folder = out / f"{arch}-{name}" / "compressed-tensors"
-            proc = subprocess.run([args.vllm_python, __file__, "_serve", str(folder), "bfloat16", json.dumps(prompts)],
-                                  capture_output=True, text=True)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                why = [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:] or ["no result"]
-                results.setdefault(arch, {})[name] = {"served": False, "error": why[0].strip()[-300:]}
+            try:
+                engine.load(str(folder), "bfloat16", 256, max_num_seqs=4)
+                theirs = engine.generate(prompts, NEW_TOKENS, ignore_eos=True)
+            except QuantkitError as err:  # refused, or the worker died: the next model gets a fresh one
+                results.setdefault(arch, {})[name] = {"served": False, "error": str(err)[-300:]}
+                engine.close()
+                engine.start()
                 continue
-            theirs, ours = json.loads(line[7:]), quantkit_greedy(folder, prompts)
+            ours = quantkit_greedy(folder, prompts)
             same = sum(a == b for x, y in zip(theirs, ours) for a, b in zip(x, y))
             results.setdefault(arch, {})[name] = {
                 "served": True, "same_tokens": same, "tokens": NEW_TOKENS * len(prompts),
                 "first_token_same": sum(x[0] == y[0] for x, y in zip(theirs, ours))}
             print(f"vllm_families: {arch} {name}: {same}/{NEW_TOKENS * len(prompts)} greedy tokens agree", flush=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    lines = ["| family | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)]
-    for arch, r in results.items():
-        lines.append(f"| {arch} | " + " | ".join(
-            f"{c['same_tokens']}/{c['tokens']} tokens agree" if c.get("served") else c["error"]
-            for c in (r.get(n, {"error": "not run"}) for n in STAGES)) + " |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_serve":
-        serve(*sys.argv[2:5])
-    else:
-        raise SystemExit(main())
+    raise SystemExit(main())

@@ -154,5 +154,6 @@ class VllmEngine:
         return self._call({"op": "bench", "concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len,
                            "reps": reps}, "bench")
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, "generation")["tokens"]
+    def generate(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+        return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos},
+                          "generation")["tokens"]

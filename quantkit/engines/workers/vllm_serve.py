@@ -4,7 +4,7 @@ driver keeps as the worker's log. Only the standard library, torch and vllm are 
 the vLLM venv's interpreter, where quantkit is not installed.
 
 Requests: {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs"}, {"op":
-"prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens"},
+"prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens", "ignore_eos"},
 {"op": "bench", "concurrency": [n], "prompt_len", "gen_len", "reps"}. A reply is {"ok": true, ...} or
 {"error": "one line"}.
 """
@@ -74,7 +74,7 @@ def prompt_logprobs(state: dict, req: dict) -> dict:
 def generate(state: dict, req: dict) -> dict:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=req["max_tokens"])
+    params = SamplingParams(temperature=0, max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False))
     outs = state["llm"].generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
