@@ -179,7 +179,7 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     p.host["artifact"] = shard
     p.advice["artifact"] = "lower export.max_shard_size"
     p.host["runtime"] = RUNTIME
-    acts = hidden = hidden_host = solver = 0
+    acts = hidden = solver = 0
     if recipe.needs_calibration:  # RTN alone reads no data
         c = recipe.calibration
         batch = offload.batch_size or c.num_samples
@@ -194,11 +194,10 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         hidden = 2 * c.num_samples * per_window  # every window entering and leaving the block
         if offload.where != "device":
             acts += 2 * batch * per_window  # the batch being read and the one being written, on the device
-        if offload.where == "disk":
-            p.disk["hidden_states"], hidden = hidden, 0
-            hidden_host = 2 * batch * per_window  # in transit between the files and the device
+        if offload.where == "disk":  # on disk; host memory holds the batch in transit between files and device
+            p.disk["hidden_states"], hidden = hidden, 2 * batch * per_window
         p.disk["checkpoint"] = c.num_samples * per_window
-        p.advice["checkpoint"] = p.advice["hidden_states"] = "lower calibration.num_samples or calibration.seq_len"
+        p.advice["checkpoint"] = "lower calibration.num_samples or calibration.seq_len"
         if any(s.name == "awq" for s in recipe.stages):  # the module inputs AWQ's scale search replays (a strided
             # subset of the windows, MODULE_LOSS_TOKENS), and the output it is scored against
             acts += 2 * min(c.num_samples, max(batch, -(-MODULE_LOSS_TOKENS // c.seq_len))) * per_window
@@ -222,15 +221,15 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     p.advice["activations"] = ("set calibration.batch_size lower, or calibration.offload: auto to pick one"
                                if offload.batch_size else "set calibration.batch_size (windows per forward) or "
                                "calibration.offload: auto")
-    if offload.where != "disk":
-        p.advice["hidden_states"] = "set calibration.offload: disk, or lower calibration.num_samples or seq_len"
+    p.advice["hidden_states"] = ("lower calibration.num_samples or calibration.seq_len" if offload.where == "disk" else
+                                 "set calibration.offload: disk, or lower calibration.num_samples or seq_len")
     p.advice["solver"] = ("the widest Linear's Hessian: use a device with more memory" if recipe.stage.name == "gptq"
                           else "the widest Linear: use a machine with more memory")
     where = p.device if on_device else p.host
     where["activations"] = acts
     where["solver"] = solver
-    if hidden or hidden_host:
-        (where if offload.where == "device" else p.host)["hidden_states"] = hidden or hidden_host
+    if hidden:
+        (where if offload.where == "device" else p.host)["hidden_states"] = hidden
     if on_device:
         p.device["block"] = block_bytes
         p.advice["block"] = "one block is this large: use a device with more memory"

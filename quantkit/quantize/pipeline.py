@@ -417,11 +417,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     def solve(st: dict, todo: list[str]) -> dict:
         """GPTQ of the Linears in todo, which share st's Hessian: one factorization, one pass over their rows."""
         if st["solver"] is None:
-            try:  # the Hessian's sum goes as its factors are made: one in x in matrix less at the peak
-                st["solver"] = GPTQ(st.pop("h").take(), spec, args.damp, args.block_size, args.act_order,
-                                    warn=lambda m: report.warn(f"{todo[0]}: {m}"), observer=args.observer)
-            except NotPositiveDefinite as err:
-                raise QuantkitError(f"gptq: {todo[0]}: {err}; raise damp") from None
+            st["solver"] = _solver(st.pop("h"), args, spec, report, todo[0])
         if not todo:
             return {}
         return dict(zip(todo, st["solver"].quantize_many([by_name[n].weight.data for n in todo])))
@@ -447,10 +443,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                     if h.count < moe_args.min_tokens and ".experts." in name:
                         st.update(h=None, rtn=h.count)
                 if st.get("rtn") is not None:  # too few routed tokens for a Hessian worth solving
-                    report.warn(f"{name}: only {st['rtn']} calibration tokens routed to this expert "
-                                f"(moe.min_tokens {moe_args.min_tokens}); quantized with RTN")
-                    result.qweights[name], result.losses[name] = _rtn(module, args, spec)
-                    result.tokens[name] = st["rtn"]
+                    _few_tokens(module, name, st["rtn"], args, result, report, moe_args)
                     return None if act is None else (st["xq"], *inputs[1:])
                 todo = [name] + [block + m for m in groups.get(name.removeprefix(block), ())
                                  if block + m != name and block + m in by_name and block + m not in result.qweights]
@@ -471,6 +464,25 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     groups.update({m: tuple(g) for g in seen for m in g if m not in groups})
     _unreached(names, args, result, report)
     return hidden
+
+
+def _solver(h: Hessian, args: WeightQuant, spec: GridSpec, report: Reporter, first: str) -> GPTQ:
+    """One factorization of h for the Linears that read its input (first: the one its errors name). The Hessian's
+    sum goes as its factors are made: one in x in matrix less at the peak."""
+    try:
+        return GPTQ(h.take(), spec, args.damp, args.block_size, args.act_order,
+                    warn=lambda m: report.warn(f"{first}: {m}"), observer=args.observer)
+    except NotPositiveDefinite as err:
+        raise QuantkitError(f"gptq: {first}: {err}; raise damp") from None
+
+
+def _few_tokens(module: nn.Linear, name: str, count: int, args: WeightQuant, result: QuantResult, report: Reporter,
+                moe_args: MoE) -> None:
+    """An expert Linear whose Hessian saw fewer than moe.min_tokens routed tokens: RTN, with a warning."""
+    report.warn(f"{name}: only {count} calibration tokens routed to this expert "
+                f"(moe.min_tokens {moe_args.min_tokens}); quantized with RTN")
+    result.qweights[name], result.losses[name] = _rtn(module, args, result.info.spec)
+    result.tokens[name] = count
 
 
 def _install(todo: list[str], solved: dict, owner: dict[str, int], by_name: dict[str, nn.Linear], tokens: int,
@@ -568,20 +580,13 @@ def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: We
                     h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
                 if h.count < moe_args.min_tokens and _expert(key) is not None:
                     for n in group:
-                        report.warn(f"{n}: only {h.count} calibration tokens routed to this expert "
-                                    f"(moe.min_tokens {moe_args.min_tokens}); quantized with RTN")
-                        result.qweights[n], result.losses[n] = _rtn(by_name[n], args, spec)
-                        result.tokens[n] = h.count
+                        _few_tokens(by_name[n], n, h.count, args, result, report, moe_args)
                     continue
                 owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in group})
                 mine = [n for n in group if owner[n] == ranks.rank]
                 solved = {}
                 if mine:
-                    try:
-                        solver = GPTQ(h.take(), spec, args.damp, args.block_size, args.act_order,
-                                      warn=lambda m: report.warn(f"{group[0]}: {m}"), observer=args.observer)
-                    except NotPositiveDefinite as err:
-                        raise QuantkitError(f"gptq: {group[0]}: {err}; raise damp") from None
+                    solver = _solver(h, args, spec, report, group[0])
                     solved = dict(zip(mine, solver.quantize_many([by_name[n].weight.data for n in mine])))
                 _install(group, solved, owner, by_name, h.count, result, ranks)
     _unreached(names, args, result, report)
