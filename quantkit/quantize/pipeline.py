@@ -414,10 +414,10 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             inputs_seen.popitem(last=False)
         return st
 
-    def solve(st: dict, todo: list[str]) -> dict:
+    def solve(st: dict, todo: list[str], first: str) -> dict:
         """GPTQ of the Linears in todo, which share st's Hessian: one factorization, one pass over their rows."""
         if st["solver"] is None:
-            st["solver"] = _solver(st.pop("h"), args, spec, report, todo[0])
+            st["solver"] = _solver(st.pop("h"), args, spec, report, first)
         if not todo:
             return {}
         return dict(zip(todo, st["solver"].quantize_many([by_name[n].weight.data for n in todo])))
@@ -448,7 +448,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                 todo = [name] + [block + m for m in groups.get(name.removeprefix(block), ())
                                  if block + m != name and block + m in by_name and block + m not in result.qweights]
                 owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in todo})
-                mine = solve(st, [n for n in todo if owner[n] == ranks.rank])
+                mine = solve(st, [n for n in todo if owner[n] == ranks.rank], name)
                 _install(todo, mine, owner, by_name, st["count"], result, ranks)
         return None if act is None else (st["xq"], *inputs[1:])
 
