@@ -76,12 +76,31 @@ def test_hessian_of_windows_is_bit_identical_however_they_are_shared():
         parts = [Hessian(128) for _ in split]
         for part, s in zip(parts, split):
             part.add(windows[s])
-        total = sum(part.sum for part in reversed(parts))
-        assert torch.equal((total * (2.0 / 1600)).float(), one.value())
+        total = Hessian(128)
+        total.sum.copy_(sum(part.sum for part in reversed(parts)))  # an all-reduce, in another order
+        total.count = sum(part.count for part in parts)
+        assert torch.equal(total.value(), one.value())
     fp32 = sum((w.T @ w for w in windows[1::2]), torch.zeros(128, 128)) + sum(w.T @ w for w in windows[0::2])
     assert not torch.equal(fp32 * (2.0 / 1600), one.value())  # in fp32 the order would show
     assert torch.equal(one.value(), one.take())  # the same value, the sum consumed
     assert one.sum is None
+
+
+@pytest.mark.parametrize("cols", [96, 300, 2 * Hessian.BAND])
+def test_hessian_sums_only_the_upper_triangle_and_mirrors_it(cols):
+    """The bands hold the upper triangle alone; the matrix they give is the whole per-window fp64 sum, symmetric."""
+    windows = torch.randn(5, 40, cols, generator=torch.Generator().manual_seed(cols))
+    h = Hessian(cols)
+    h.add(windows)
+    assert h.sum.numel() < 0.5 * cols * cols + Hessian.BAND * cols  # not the whole square
+    reference = sum((w.T.double() @ w.double() for w in windows), torch.zeros(cols, cols, dtype=torch.float64))
+    value = h.value()
+    assert torch.equal(value, value.T)
+    torch.testing.assert_close(value.double(), reference * (2.0 / 200), rtol=1e-6, atol=1e-6)
+    assert h.count == 200
+    # a Hessian handed to GPTQ is consumed: the solver holds the only copy of the matrix
+    solver = GPTQ(h, GridSpec(4, -1, True))
+    assert h.sum is None and solver.hinv.shape == (cols, cols)
 
 
 def test_act_order_keeps_groups_contiguous_and_ranks_by_diagonal():

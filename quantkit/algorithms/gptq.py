@@ -26,27 +26,47 @@ class Hessian:
     Each calibration window's xᵀx is computed on its own in fp32 and summed in fp64. A window's term then does not
     depend on which other windows share its batch, and fp64 sums of a few hundred fp32 terms come out the same in
     any order. So N processes, each summing its share, get the one-process Hessian. A last-bit difference would
-    matter: GPTQ's error feedback carries one flipped code along the rest of its row."""
+    matter: GPTQ's error feedback carries one flipped code along the rest of its row.
+
+    H is symmetric, so only its upper triangle is summed: `sum` is one flat fp64 buffer of row bands, band b holding
+    rows [r0, r1) from column r0 on. That halves both the matmul flops and the fp64 sum, whose memory (and whose
+    fp32 → fp64 additions) cost as much as the matmuls on a CPU."""
+
+    BAND = 128  # rows per band: big enough for an efficient matmul, small enough to waste little of the lower half
 
     def __init__(self, columns: int, device: torch.device | str = "cpu"):
-        self.sum = torch.zeros(columns, columns, dtype=torch.float64, device=device)
-        self.count = 0
+        self.columns, self.count = columns, 0
+        self.bands = [(r0, min(columns, r0 + self.BAND)) for r0 in range(0, columns, self.BAND)]
+        sizes = [(r1 - r0) * (columns - r0) for r0, r1 in self.bands]
+        self.sum = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
+        self._views = [v.view(r1 - r0, columns - r0) for v, (r0, r1) in zip(self.sum.split(sizes), self.bands)]
 
     def add(self, x: torch.Tensor) -> None:
         """x: [windows, tokens, columns] (or [tokens, columns]: one window)."""
         windows = x if x.dim() > 2 else x.unsqueeze(0)
         for w in windows:
             w = w.reshape(-1, w.shape[-1]).to(self.sum.device, torch.float32)
-            self.sum.add_(w.T @ w)
+            for (r0, r1), band in zip(self.bands, self._views):
+                band.add_(w[:, r0:r1].T @ w[:, r0:])
             self.count += w.shape[0]
 
+    def full(self, scale: float) -> torch.Tensor:
+        """scale · the summed matrix, whole and symmetric, in fp32."""
+        out = torch.empty(self.columns, self.columns, device=self.sum.device)
+        for (r0, r1), band in zip(self.bands, self._views):
+            rows = (band * scale).float()
+            out[r0:r1, r0:] = rows
+            out[r1:, r0:r1] = rows[:, r1 - r0:].T
+        return out
+
     def value(self) -> torch.Tensor:
-        return (self.sum * (2.0 / max(self.count, 1))).float()
+        return self.full(2.0 / max(self.count, 1))
 
     def take(self) -> torch.Tensor:
-        """value(), scaling the sum in place and dropping it: no second fp64 in x in matrix at the peak."""
-        total, self.sum = self.sum, None
-        return total.mul_(2.0 / max(self.count, 1)).float()
+        """value(), dropping the sum: the fp64 bands and the fp32 matrix are the only two at the peak."""
+        h = self.value()
+        self.sum = self._views = None
+        return h
 
 
 def act_order_permutation(diag: torch.Tensor, span: int) -> torch.Tensor:
@@ -62,20 +82,24 @@ def act_order_permutation(diag: torch.Tensor, span: int) -> torch.Tensor:
     return (rank[:, None] * span + within[rank]).flatten()
 
 
-def _upper_inverse_cholesky(h: torch.Tensor, damp: float, warn: Callable[[str], None]):
-    mean_diag = torch.diag(h).mean()
-    for _ in range(4):  # at most h and two in x in matrices alive at once (`del`: the Hessian of a 14k-wide
-        damped = h.clone()  # down_proj is 0.8 GB)
-        damped.diagonal().add_(damp * mean_diag)
-        lower, info = torch.linalg.cholesky_ex(damped)
-        del damped
+def _upper_inverse_cholesky(box: list[torch.Tensor], damp: float, warn: Callable[[str], None]):
+    """The upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹. box: [H], handed over: H is damped in place and
+    freed once factored, so no more than two C x C matrices are alive at once (a 14k-wide down_proj's is 0.8 GB)."""
+    h = box.pop()
+    diag = h.diagonal().clone()
+    mean_diag = diag.mean()
+    for _ in range(4):
+        h.diagonal().copy_(diag).add_(damp * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(h)
         if info == 0:
+            del h
             inverse = torch.cholesky_inverse(lower)
             del lower
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            del inverse
             if info == 0:
                 return upper, damp
+            h = torch.linalg.inv(inverse)  # rounding left H⁻¹ indefinite (rare): H again, to damp more
+            del inverse
         warn(f"Hessian not positive definite at damp={damp:g}; retrying with damp={damp * 10:g}")
         damp *= 10
     raise NotPositiveDefinite(f"Hessian not positive definite even at damp={damp / 10:g}")
@@ -84,7 +108,7 @@ def _upper_inverse_cholesky(h: torch.Tensor, damp: float, warn: Callable[[str], 
 class GPTQ:
     def __init__(
         self,
-        hessian: torch.Tensor,
+        hessian: torch.Tensor | Hessian,
         spec: GridSpec,
         damp: float = 0.01,
         block_size: int = 128,
@@ -92,17 +116,20 @@ class GPTQ:
         warn: Callable[[str], None] = lambda msg: None,
         observer: str = "minmax",
     ):
-        h = hessian.float().clone()
-        del hessian  # the caller's may be a temporary: freed here rather than after the factorization
+        """hessian: a matrix (copied), or a Hessian, whose sum is consumed: the solver then owns the only copy."""
+        h = hessian.take() if isinstance(hessian, Hessian) else hessian.float().clone()
         self.spec, self.block_size, self.find_params = spec, block_size, OBSERVERS[observer]
         self.dead = torch.diag(h) == 0  # inputs that never fired: their weights cannot matter
         h[self.dead, self.dead] = 1
         cols = h.shape[0]
         self.perm = act_order_permutation(torch.diag(h), spec.span(cols)) if act_order else None
-        if self.perm is not None:
-            h = h[self.perm][:, self.perm]
-        with _one_thread(h.device):  # LAPACK's potri scales badly across CPU threads (10x slower on 2)
-            self.hinv, self.damp = _upper_inverse_cholesky(h, damp, warn)
+        if self.perm is not None:  # rows, then columns: two matrices at a time, not three
+            h = h[self.perm]
+            h = h[:, self.perm]
+        box = [h]
+        del h
+        with _one_thread(box[0].device):  # LAPACK's potri scales badly across CPU threads (10x slower on 2)
+            self.hinv, self.damp = _upper_inverse_cholesky(box, damp, warn)
 
     @torch.no_grad()
     def quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, float]:
@@ -146,7 +173,10 @@ class GPTQ:
             for i in range(i2 - i1):
                 col = i1 + i
                 if col % span == 0:  # a new group starts: grid from its current (error-updated) weights
-                    s, z = self.find_params(torch.cat([w1[i:], wt[i2:]])[:span].T, spec)
+                    ahead = w1[i:i + span]  # the group's columns: this block's rest, then the next block's
+                    if len(ahead) < span:
+                        ahead = torch.cat([ahead, wt[i2:i2 + span - len(ahead)]])
+                    s, z = self.find_params(ahead.T, spec)
                     g = (int(perm[col]) if perm is not None else col) // span
                     scale[g], zero[g] = s, z
                 q = quantize_codes(w1[i], s, z, spec.maxq)

@@ -360,6 +360,9 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
         )
         report.info(f"block {i + 1}/{len(blocks)}  {time.perf_counter() - t0:5.1f} s  "
                     f"ETA {fmt_eta(eta)}  loss {losses}")
+    if checkpoints is not None:
+        with report.timed("checkpoint"):
+            checkpoints.flush()
 
 
 def _rtn_weights(names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult, report: Reporter) -> None:
@@ -467,10 +470,10 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
 
 
 def _solver(h: Hessian, args: WeightQuant, spec: GridSpec, report: Reporter, first: str) -> GPTQ:
-    """One factorization of h for the Linears that read its input (first: the one its errors name). The Hessian's
-    sum goes as its factors are made: one in x in matrix less at the peak."""
+    """One factorization of h for the Linears that read its input (first: the one its errors name). The solver
+    consumes the Hessian's sum: it holds the only copy of the matrix while it factors it."""
     try:
-        return GPTQ(h.take(), spec, args.damp, args.block_size, args.act_order,
+        return GPTQ(h, spec, args.damp, args.block_size, args.act_order,
                     warn=lambda m: report.warn(f"{first}: {m}"), observer=args.observer)
     except NotPositiveDefinite as err:
         raise QuantkitError(f"gptq: {first}: {err}; raise damp") from None

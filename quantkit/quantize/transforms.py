@@ -323,7 +323,8 @@ class AwqPass:
         st["mean"] = (self.ranks.all_reduce(total) / count).float()
         if len(m.linears) == 1 and m.inspect is m.linears[0]:
             gram = st.get("gram") or Hessian(channels, total.device)
-            st["gram"] = (self.ranks.all_reduce(gram.sum) / count).float()
+            self.ranks.all_reduce(gram.sum)
+            st["gram"] = gram.full(1.0 / count)
         return st
 
     def apply(self, i: int, block: nn.Module) -> list[str]:
