@@ -120,12 +120,11 @@ KILL_RANK_1 = """
     import os, signal
     if os.environ.get("RANK") == "1":
         from quantkit.quantize import checkpoint
-        save = checkpoint.BlockCheckpoints.save
-        def save_then_{what}(self, i, *args):
-            save(self, i, *args)
-            if i == 1:
+        flush = checkpoint.BlockCheckpoints.flush
+        def flush_then_{what}(self):
+            if flush(self) == 1:  # block 1's checkpoint is on disk
                 {action}
-        checkpoint.BlockCheckpoints.save = save_then_{what}
+        checkpoint.BlockCheckpoints.flush = flush_then_{what}
 """
 
 

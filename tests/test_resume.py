@@ -29,20 +29,24 @@ def four_layers(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama4", "llama", layers=4)
 
 
-def quantize(recipe: Path, *extra: str, kill_after_block: int | None = None) -> subprocess.CompletedProcess:
+def quantize(recipe: Path, *extra: str, kill_after_block: int | None = None,
+             in_flight: bool = False) -> subprocess.CompletedProcess:
     """`quantkit quantize` in a child process; with kill_after_block, the child SIGKILLs itself right after that
-    block's checkpoint is on disk (the worst moment: nothing of the next block exists yet)."""
+    block's checkpoint is on disk and named in state.json (the worst moment: the next block is computed, nothing of it
+    written). in_flight: right after the block is handed to the background writer instead, its files half-written."""
     prelude = ""
     if kill_after_block is not None:
+        method = "save" if in_flight else "flush"
         prelude = textwrap.dedent(f"""
             import os, signal
             from quantkit.quantize import checkpoint
-            save = checkpoint.BlockCheckpoints.save
-            def save_then_die(self, i, *args):
-                save(self, i, *args)
-                if i == {kill_after_block}:
+            original = checkpoint.BlockCheckpoints.{method}
+            def then_die(self, *args):
+                done = original(self, *args)
+                if (args[0] if {in_flight} else done) == {kill_after_block}:
                     os.kill(os.getpid(), signal.SIGKILL)
-            checkpoint.BlockCheckpoints.save = save_then_die
+                return done
+            checkpoint.BlockCheckpoints.{method} = then_die
         """)
     code = prelude + "import sys\nfrom quantkit.cli import main\nsys.argv = ['quantkit'] + sys.argv[1:]\nmain()\n"
     return subprocess.run([sys.executable, "-c", code, "quantize", str(recipe), *extra],
@@ -76,6 +80,21 @@ def test_killed_run_resumes_and_is_byte_identical(four_layers, tmp_path, stages)
         assert got.keys() == want.keys() and all(got[k] == want[k] for k in want), fmt
         files = json.loads((tmp_path / "out" / fmt / "quantkit.json").read_text())["files"]
         assert files == json.loads((tmp_path / "whole" / fmt / "quantkit.json").read_text())["files"]
+
+
+def test_a_kill_while_a_checkpoint_is_written_resumes_from_the_block_before(four_layers, tmp_path):
+    """Block 2's files are still being written when the run dies: state.json names block 1, and the resumed run
+    redoes block 2 and gives the uninterrupted bytes."""
+    whole = write_recipe(tmp_path / "whole.yaml", four_layers, tmp_path / "whole", STAGES["gptq"], ("gptq",))
+    assert quantize(whole).returncode == 0
+    recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", STAGES["gptq"], ("gptq",))
+    assert quantize(recipe, kill_after_block=2, in_flight=True).returncode == -signal.SIGKILL
+    state = next((tmp_path / "out" / FOLDER).glob("*/state.json"))
+    assert json.loads(state.read_text())["done"] == 1
+    resumed = quantize(recipe)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after block 2/4" in resumed.stderr and "block 3/4" in resumed.stderr
+    assert safetensors_bytes(tmp_path / "out" / "gptq") == safetensors_bytes(tmp_path / "whole" / "gptq")
 
 
 def test_checkpoints_of_another_recipe_are_not_used(four_layers, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,16 +93,23 @@ class Activations:
         else:
             self._in, self._out = self._out, [None] * len(self.rows)
 
-    def save(self, path: Path) -> None:
-        """The current inputs, for a checkpoint: one file, with a key per batch (disk: one file per batch)."""
+    def save(self, path: Path) -> Callable[[], None]:
+        """The current inputs, for a checkpoint: one file, with a key per batch (disk: one file per batch). Returns
+        what is left to write, to run while the next block goes on: the files on disk are copied at once (the next
+        block's advance() replaces them), the tensors in memory are not changed by it."""
         tmp = path.with_name(path.name + ".tmp")
         if self.where == "disk":
             for k in range(len(self.rows)):
                 shutil.copyfile(self._file("in", k), tmp)
                 tmp.replace(path.with_name(f"{path.stem}-b{k}{path.suffix}"))
-        else:
-            save_file({f"hidden.{k}": x.detach().contiguous().cpu() for k, x in enumerate(self._in)}, str(tmp))
+            return lambda: None
+        tensors = {f"hidden.{k}": x.detach().contiguous().cpu() for k, x in enumerate(self._in)}
+
+        def write() -> None:
+            save_file(tensors, str(tmp))
             tmp.replace(path)
+
+        return write
 
     def load(self, path: Path) -> None:
         if self.where == "disk":

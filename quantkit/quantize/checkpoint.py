@@ -7,6 +7,8 @@ After block i the run saves, under EXPORT_OUTPUT/.quantkit-resume/KEY/:
                         offloaded to disk: a file per batch)
   state.json            {"done": i, losses, pass counters}: written last, by rename, so it never names a block
                         whose files are incomplete
+The files are written by a background thread while the next block runs (the GIL is released while they are
+written), and state.json names block i once they are complete: at the next save, or at flush() after the last block.
 KEY hashes everything the result depends on (recipe stages and calibration, the model's files, the calibration
 tokens, package versions), so a changed recipe or model never resumes from a stale run. Restoring block states and
 hidden states bit for bit makes the resumed run's artifact byte-identical to an uninterrupted one.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -25,6 +28,7 @@ from torch import nn
 
 from ..algorithms.fp8 import Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..errors import QuantkitError
 from ..files import write_json_atomic
 from .activations import Activations
 from .distributed import Ranks
@@ -76,6 +80,8 @@ class BlockCheckpoints:
         self.root = Path(output) / FOLDER
         self.folder = self.root / key
         self.ranks = ranks
+        self._pending: tuple[threading.Thread, int, dict] | None = None  # the save being written
+        self._error: BaseException | None = None
 
     def _hidden(self, i: int) -> Path:
         suffix = f"-rank{self.ranks.rank}" if self.ranks.active else ""
@@ -87,20 +93,48 @@ class BlockCheckpoints:
         return json.loads(path.read_text()) if path.is_file() else {"done": -1}
 
     def save(self, i: int, block: nn.Module, qweights: dict, losses: dict, hidden: Activations, extra: dict) -> None:
-        """Block i is complete: qweights / losses are the block's own entries, hidden what enters block i+1."""
+        """Block i is complete: qweights / losses are the block's own entries, hidden what enters block i+1. Its
+        files are written in the background; the previous save's are waited for first."""
+        self.flush()
         self.folder.mkdir(parents=True, exist_ok=True)
-        hidden.save(self._hidden(i))
+        writes = [hidden.save(self._hidden(i))]
+        q, specs = _pack_weights(qweights)
+        if self.ranks.rank == 0:
+            tensors = {f"block.{k}": v for k, v in block.state_dict().items()} | q
+            writes.append(lambda: _save(tensors, self.folder / f"block-{i}.safetensors"))
+
+        def write() -> None:
+            try:
+                for w in writes:
+                    w()
+            except BaseException as err:  # raised in the main thread by flush()
+                self._error = err
+
+        thread = threading.Thread(target=write, name=f"checkpoint-{i}", daemon=True)
+        thread.start()
+        self._pending = (thread, i, {"losses": losses, "specs": specs, "extra": extra})
+
+    def flush(self) -> int | None:
+        """Waits until the last save's files are on disk (every rank's), then names its block in state.json; returns
+        that block's index (None: no save was pending)."""
+        if self._pending is None:
+            return None
+        thread, i, body = self._pending
+        self._pending = None
+        thread.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise QuantkitError(f"checkpoint: cannot write block {i}'s files under {self.folder}: {err}") from err
         self.ranks.barrier()
         if self.ranks.rank == 0:
-            q, specs = _pack_weights(qweights)
-            _save({f"block.{k}": v for k, v in block.state_dict().items()} | q, self.folder / f"block-{i}.safetensors")
             state = self.state
-            body = {"done": i, "losses": state.get("losses", {}) | losses, "specs": state.get("specs", {}) | specs,
-                    "extra": extra}
+            body = {"done": i, "losses": state.get("losses", {}) | body["losses"],
+                    "specs": state.get("specs", {}) | body["specs"], "extra": body["extra"]}
             write_json_atomic(self.folder / "state.json", body, indent=None)
         self.ranks.barrier()  # state.json names block i: the older hidden states can go
         for old in Activations.saved(self._hidden(i - 1)):  # only the newest one is ever read
             old.unlink(missing_ok=True)
+        return i
 
     def restore(self, blocks: nn.ModuleList, put, qweights: dict, hidden: Activations) -> tuple[dict, dict]:
         """Hands blocks 0..done to put(i, block, state, block_qweights) one at a time, after adding the block's
