@@ -102,3 +102,36 @@ def test_compressed_tensors_asym_decompresses_with_the_library():
     parts = {k.split(".", 1)[1]: v for k, v in enc.tensors.items()}
     out = PackedQuantizationCompressor.decompress(parts, scheme)
     assert torch.equal(out["weight"].float(), qw.dequantize())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_spooled_shards_are_the_files_safetensors_writes(tmp_path, seed):
+    """Artifact shards are written from a spool on disk (nothing held in memory); the file is save_file's, byte for
+    byte, whatever the dtypes, shapes (0-d, empty) and names, and however they sort."""
+    import random
+
+    from safetensors.torch import save_file
+
+    rnd = random.Random(seed)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.uint8, torch.int8, torch.int64,
+              torch.float8_e4m3fn, torch.bool]
+    tensors = {}
+    for i in range(rnd.randint(0, 10)):
+        shape = [rnd.randint(0, 5) for _ in range(rnd.randint(0, 3))]
+        name = f"{rnd.choice(['model.layers', 'lm_head', 'Z', 'é'])}.{i}.{rnd.randint(0, 99)}"
+        tensors[name] = (torch.randn(shape) * 10).to(rnd.choice(dtypes))
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "out").mkdir()
+    assert write_safetensors(tmp_path / "out", tensors, 1 << 30) == ["model.safetensors"]
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert not list((tmp_path / "out").glob(".*"))  # no spool left behind
+    # past max_shard_size (here 1 byte: every tensor of 2 bytes or more is a shard of its own): greedy shards in
+    # arrival order, each save_file's file of its tensors
+    tensors = {k: t for k, t in tensors.items() if t.numel() * t.element_size() > 1}
+    if len(tensors) >= 2:
+        (tmp_path / "sharded").mkdir()
+        names = write_safetensors(tmp_path / "sharded", tensors, 1)
+        assert names[-1] == "model.safetensors.index.json" and len(names) == len(tensors) + 1
+        for (name, t), shard in zip(tensors.items(), names):
+            save_file({name: t}, str(tmp_path / "one.safetensors"), metadata={"format": "pt"})
+            assert (tmp_path / "sharded" / shard).read_bytes() == (tmp_path / "one.safetensors").read_bytes()

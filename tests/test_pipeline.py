@@ -170,7 +170,7 @@ def test_interrupted_export_leaves_nothing_that_looks_finished(tiny_llama, tmp_p
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(artifact, "save_file", boom)
+    monkeypatch.setattr(artifact._SpooledShard, "save", boom)
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "o", "rtn: {bits: 4, group_size: 32}")
     assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 130  # Ctrl-C mid-write
     assert not (tmp_path / "o").exists() or list((tmp_path / "o").iterdir()) == []

@@ -3,9 +3,9 @@ quantization_config, tokenizer, generation config and the quantkit.json manifest
 
 Tensors arrive one by one in the model's state_dict order (`stored_keys`), a quantized Linear's packed
 tensors in place of its weight, so the in-memory path (the whole model at the end) and the streamed path
-(block by block as each is quantized) cut the same shards and write byte-identical files. A shard is held in
-memory until it is full (`export.max_shard_size`), then saved; the shard names and the index are written last,
-when the count is known.
+(block by block as each is quantized) cut the same shards and write byte-identical files. A shard's tensors are
+spooled to disk as they arrive and the shard is written when it is full (`export.max_shard_size`); the shard names
+and the index are written last, when the count is known.
 
 Everything is written to a hidden temp folder next to the destination and renamed into place only
 when complete, so an interrupted run leaves nothing that looks like a finished artifact.
@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import QuantkitError
@@ -62,35 +61,35 @@ def stored_keys(model: nn.Module) -> list[str]:
 
 
 class ShardWriter:
-    """Greedy sharding in arrival order: a tensor that would take the current shard past max_bytes opens the next."""
+    """Greedy sharding in arrival order: a tensor that would take the current shard past max_bytes opens the next.
+    A tensor's bytes go to the shard's spool file as it arrives, so no shard is held in memory; closing a shard
+    writes the safetensors file from the spool (`_SpooledShard`)."""
 
     def __init__(self, folder: Path, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
-        self.shard: dict[str, torch.Tensor] = {}
-        self.size = 0
+        self.shard: _SpooledShard | None = None
         self.files: list[Path] = []  # saved shards, under temporary names until close()
         self.weight_map: dict[str, int] = {}  # tensor name -> shard number
         self.total = 0
 
     def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
-        if self.shard and self.size + nbytes > self.max_bytes:
+        if self.shard is not None and self.shard.size + nbytes > self.max_bytes:
             self._flush()
-        self.shard[name] = t
+        if self.shard is None:
+            self.shard = _SpooledShard(self.folder / f".shard-{len(self.files):05d}.spool")
+        self.shard.add(name, t)
         self.weight_map[name] = len(self.files)
-        self.size += nbytes
         self.total += nbytes
-        if self.size > self.max_bytes:  # any next tensor opens the next shard: write this one now, not hold it
-            self._flush()
 
     def _flush(self) -> None:
         path = self.folder / f".shard-{len(self.files):05d}.safetensors"
-        save_file(self.shard, str(path), metadata={"format": "pt"})
+        (self.shard or _SpooledShard(path.with_suffix(".spool"))).save(path, {"format": "pt"})
         self.files.append(path)
-        self.shard, self.size = {}, 0
+        self.shard = None
 
     def close(self) -> list[str]:
-        if self.shard or not self.files:
+        if self.shard is not None or not self.files:
             self._flush()
         if len(self.files) == 1:
             self.files[0].rename(self.folder / WEIGHTS_NAME)
@@ -102,6 +101,54 @@ class ShardWriter:
                  "weight_map": {k: names[i] for k, i in self.weight_map.items()}}
         (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         return names + [INDEX_NAME]
+
+
+class _SpooledShard:
+    """One safetensors file written from a spool: tensors' raw bytes are appended as they arrive; `save` writes the
+    header and then the bytes in the order safetensors stores them, the same file `save_file` writes (tested). The
+    order (by dtype, then name) is safetensors' own, read from the header it writes for one-element stand-ins."""
+
+    def __init__(self, spool: Path):
+        self.spool = spool
+        self.file = open(spool, "wb")
+        self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}  # name -> dtype, shape, offset, bytes
+        self.size = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        self.file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self.entries[name] = (t.dtype, list(t.shape), self.size, nbytes)
+        self.size += nbytes
+
+    def save(self, path: Path, metadata: dict[str, str]) -> None:
+        from safetensors.torch import save
+
+        self.file.close()
+        stand_ins = _header(save({k: torch.zeros(1, dtype=dtype) for k, (dtype, *_) in self.entries.items()}))
+        order = [k for k in stand_ins if k != "__metadata__"]
+        header, start = {"__metadata__": metadata}, 0
+        for k in order:
+            _, shape, _, nbytes = self.entries[k]
+            header[k] = {"dtype": stand_ins[k]["dtype"], "shape": shape, "data_offsets": [start, start + nbytes]}
+            start += nbytes
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        with open(self.spool, "rb") as src, open(path, "wb") as out:
+            out.write(len(text).to_bytes(8, "little") + text)
+            for k in order:
+                _, _, offset, nbytes = self.entries[k]
+                src.seek(offset)
+                while nbytes:
+                    chunk = src.read(min(nbytes, 1 << 24))
+                    out.write(chunk)
+                    nbytes -= len(chunk)
+        self.spool.unlink()
+
+
+def _header(data: bytes) -> dict:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n])
 
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
@@ -156,7 +203,7 @@ class ArtifactWriter:
             for key, packed in encode(self.fmt, {module: qweights[module]}, self.info, self.dtype).tensors.items():
                 self.shards.add(self.names(key), packed)
         else:
-            self.shards.add(self.names(name), (t.to(self.dtype) if t.is_floating_point() else t).contiguous().clone())
+            self.shards.add(self.names(name), t.to(self.dtype) if t.is_floating_point() else t)
 
     def finish(self, config, tokenizer, generation_config, manifest: dict) -> Path:
         """config: the model's PretrainedConfig; writes config.json with the format's quantization_config."""
