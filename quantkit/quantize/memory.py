@@ -5,15 +5,16 @@ being OOM-killed an hour in.
 The parts (bytes on top of the process as it starts):
   weights        in memory: the whole model in the compute dtype, plus the codes of every quantized weight;
                  streamed: the largest block plus the largest module outside the blocks, plus one block's codes
-  artifact       the shard being filled, per format: min(export.max_shard_size, the artifact's estimated size)
   hidden_states  the hidden states entering and leaving a block (num_samples x seq_len x hidden): on the device,
                  in host memory or on disk (calibration.offload; disk: host memory holds the batch in transit)
   activations    the block's largest intermediate tensors during the forward of one batch of windows (the MLP's
-                 and the attention's; calibration.batch_size)
+                 and the attention's; calibration.batch_size). It runs in micro-batches (microbatches.py): one
+                 micro-batch's temporaries, plus, where GPTQ keeps them in step, what every window holds at a barrier
   solver         quantizing and packing the widest weight (float32 copies, codes, packed words); GPTQ adds the
-                 Hessian of the widest input with its damped copy and factors
+                 Hessian of the widest input and its factors
   runtime        a fixed allowance for what the allocator keeps after a free, Python objects and lazily loaded code
   checkpoint     (disk) the hidden states each finished block saves to resume from
+  artifact       (disk) every format's artifact, and the spool of the shard being written (export/artifact.py)
 On CUDA the block, activations and solver sit on the device and the rest on the host.
 `choose` tries the offloads in order (device, cpu, disk) and, for each, batches from every window down to one, and
 takes the first plan that fits.
@@ -29,9 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..algorithms.gptq import Hessian
 from ..algorithms.grid import STEP
 from ..errors import QuantkitError
 from ..recipe import parse_size
+from .. import moe
+from . import microbatches
 from .activations import OFFLOADS, Offload
 from .transforms import MODULE_LOSS_TOKENS
 
@@ -168,7 +172,7 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     # uint8 codes, plus scales and zeros (at least one per 32 weights, 2-4 bytes each)
     codes, block_codes = quantized * 9 // 8, max(by_block.values(), default=0) * 9 // 8
     est_artifact = quantized * bits // 8 + quantized // 16 + (total_bytes - quantized * _elt(model))
-    shard = min(parse_size(recipe.export.max_shard_size), est_artifact) * len(recipe.export.formats)
+    shard = min(parse_size(recipe.export.max_shard_size), est_artifact)
 
     p = MemoryPlan(offload=offload.where, batch_size=offload.batch_size)
     on_device = device.type == "cuda"
@@ -176,8 +180,8 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     p.host["weights"] = weights
     p.advice["weights"] = ("one block is this large: use a machine with more memory" if streamed else
                            "set load: stream (safetensors checkpoints) to hold one block at a time")
-    p.host["artifact"] = shard
-    p.advice["artifact"] = "lower export.max_shard_size"
+    p.disk["artifact"] = est_artifact * len(recipe.export.formats) + shard
+    p.advice["artifact"] = "free disk space under export.output, or write fewer export.formats"
     p.host["runtime"] = RUNTIME
     acts = hidden = solver = 0
     if recipe.needs_calibration:  # RTN alone reads no data
@@ -189,8 +193,15 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         heads = getattr(cfg, "num_attention_heads", 1)
         attn = batch * heads * c.seq_len * c.seq_len * elt if \
             getattr(cfg, "_attn_implementation", "eager") == "eager" else 0
-        # during a batch's forward: the MLP's two widest activations and one hidden-sized temporary, the attention
-        acts = batch * c.seq_len * elt * (3 * inter + cfg.hidden_size) + attn
+        # during a micro-batch's forward: the MLP's three widest activations and one hidden-sized temporary, the
+        # attention; GPTQ's in-step micro-batches (dense blocks, no smoothing inside its forward) all hold the widest
+        # Linear's input, the residual and the MLP's input at a barrier
+        micro = microbatches.size(batch, c.seq_len)
+        attn = attn * micro // batch
+        acts = micro * c.seq_len * elt * (3 * inter + cfg.hidden_size) + attn
+        inline_smoothing = recipe.transforms and recipe.transforms[-1].name == "smoothquant"
+        if recipe.stage.name == "gptq" and not moe.experts_of(model) and not inline_smoothing and micro < batch:
+            acts += batch * c.seq_len * elt * (inter + 2 * cfg.hidden_size)
         hidden = 2 * c.num_samples * per_window  # every window entering and leaving the block
         if offload.where != "device":
             acts += 2 * batch * per_window  # the batch being read and the one being written, on the device
@@ -207,9 +218,9 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         if any(s.name == "awq" for s in recipe.stages):  # freed before the weight stage's Hessians exist
             solver = widest_in * widest_in * (8 + 4)  # the Gram matrix of up -> down: fp64 sum + a window's fp32
         if recipe.stage.name == "gptq":
-            # the fp64 Hessian sum and one window's fp32 term while it accumulates; then its fp32 value and two of
-            # its factors at a time (algorithms/gptq.py frees each as the next is made), plus act-order's permuted copy
-            solver = max(solver, 4 * widest_in * widest_in * 4)
+            # the Hessian's fp64 upper triangle (row bands) and, as it is taken, its fp32 matrix; then two C x C
+            # matrices at a time while act-order permutes and the factors are made (algorithms/gptq.py)
+            solver = max(solver, 8 * widest_in * widest_in + 4 * widest_in * Hessian.BAND)
     widest = max((m.weight.numel() for m in targets.values()), default=0)
     if recipe.stage.name == "gptq":
         # GPTQ on the widest weight: its float32 copy and error, uint8 codes, the int32 words they are packed from

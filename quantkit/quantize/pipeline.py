@@ -44,6 +44,7 @@ from .. import moe
 from ..model import ROUTERS, block_linears, check_supported, decoder_blocks, matches
 from ..progress import Reporter, fmt_eta
 from ..recipe import MoE, Stage, WeightQuant
+from . import microbatches
 from . import transforms as transform_passes
 from .calibration import CalibrationSet
 from .activations import Activations, Offload
@@ -246,6 +247,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                             "every process needs at least one")
     hidden = Activations(offload.where, device, tokens.shape[0], offload.batch_size or tokens.shape[0],
                          offload.folder)
+    micro = microbatches.size(tokens.shape[0], tokens.shape[1])
     try:
         with report.timed("capture"), source.capture():
             calls = {}  # windows in a batch -> each block's call arguments (masks, rotary embeddings) at that size
@@ -257,6 +259,9 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                 calls.setdefault(x.shape[0], calls_k)
                 hidden.write(k, x)
             hidden.advance()
+            for size in {len(c) for k in range(len(hidden)) for c in microbatches.split(tokens[hidden.rows[k]], micro)}:
+                if size not in calls:  # a micro-batch's call arguments, at its size
+                    calls[size] = capture_block_inputs(model, blocks, tokens[:size])[1]
         report.info(
             f"{result.info.method}: {len(blocks)} blocks, {calib.tokens.shape[0]}x{calib.tokens.shape[1]} calibration "
             f"tokens, device {device}" + (f", {result.info.activations} activations" if result.info.activations else "")
@@ -264,14 +269,15 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
             + ("" if hidden.one_batch and offload.where == "device" else f", {offload.describe(tokens.shape[0])}")
         )
         _blocks(model, blocks, stage, passes, device, prefix, targets, result, report, checkpoints, source, ranks,
-                moe_args, hidden, calls)
+                moe_args, hidden, calls, micro)
     finally:
         hidden.close()
 
 
 def _blocks(model, blocks, stage, passes, device, prefix, targets, result: QuantResult, report: Reporter,
             checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks, moe_args: MoE,
-            hidden: Activations, calls: dict) -> None:
+            hidden: Activations, calls: dict, micro: int) -> None:
+    """micro: windows per micro-batch (microbatches.py): every forward of a block runs a few windows at a time."""
     # Linears (by name inside a block) that read one input, learned block by block
     groups: dict[str, tuple[str, ...]] = {}
     first = 0
@@ -300,13 +306,23 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 out = block(x, *call_args, **call_kwargs)
             return out[0] if isinstance(out, tuple) else out
 
-        def run_all(hooks=None) -> None:
-            """The block over every batch, its output as the next block's input."""
+        def run_all(forward) -> None:
+            """The block over every batch (forward(x): the block's output on batch x), its output as the next block's
+            input."""
             for k in range(len(hidden)):
-                out = run(hidden.read(k)) if hooks is None else hooks(run, hidden.read(k))
+                out = forward(hidden.read(k))
                 _check_finite(out, f"after {prefix}.{i}")
                 hidden.write(k, out)
             hidden.advance()
+
+        def in_micro_batches(forward):
+            def run_parts(x: torch.Tensor) -> torch.Tensor:
+                parts = microbatches.split(x, micro)
+                out = microbatches.Output(parts)
+                for c, part in enumerate(parts):
+                    out.put(c, forward(part))
+                return out.value
+            return run_parts
 
         # SmoothQuant right before gptq smooths inside gptq's forward, one forward less per block (rtn rounds
         # every weight before its forward, so it needs the scales folded first; several batches need every batch's
@@ -320,9 +336,12 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 handles = p.observe(i, block)
                 try:
                     for k in range(len(hidden)):
-                        if hasattr(p, "batch"):  # AWQ keeps its samples by their window
-                            p.batch(hidden.rows[k])
-                        run(hidden.read(k))  # float block: only the hooks' statistics matter
+                        start = hidden.rows[k].start
+                        for part in microbatches.split(hidden.read(k), micro):
+                            if hasattr(p, "batch"):  # AWQ keeps its samples by their window
+                                p.batch(slice(start, start + len(part)))
+                            start += len(part)
+                            run(part)  # float block: only the hooks' statistics matter
                 finally:
                     for handle in handles:
                         handle.remove()
@@ -331,8 +350,11 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
         handles, inline_warnings = inline.inline(i, block) if inline else ([], list)
         try:
             if stage.name == "gptq" and hidden.one_batch:
-                run_all(lambda run, x: _gptq_block(run, x, names, stage.args, result, report, ranks, groups,
-                                                   f"{prefix}.{i}.", moe_args))
+                # in step only where every micro-batch calls the same Linears (no experts) and no smoothing folds
+                # a scale inside the forward
+                step = micro if not experts and inline is None else None
+                run_all(lambda x: _gptq_block(run, x, names, stage.args, result, report, ranks, groups,
+                                              f"{prefix}.{i}.", moe_args, step))
             else:
                 if stage.name == "gptq":
                     with report.timed("forward+quantize"):
@@ -340,7 +362,7 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 else:
                     _rtn_weights(names, stage.args, result, report)
                 with report.timed("forward"):
-                    run_all(_act_quant_hooks(names, result.info.activations))
+                    run_all(in_micro_batches(_act_quant_hooks(run, names, result.info.activations)))
         finally:
             for handle in handles:
                 handle.remove()
@@ -371,9 +393,9 @@ def _rtn_weights(names: dict[nn.Linear, str], args: WeightQuant, result: QuantRe
             result.qweights[name], result.losses[name] = _rtn(module, args, result.info.spec)
 
 
-def _act_quant_hooks(names: dict[nn.Linear, str], act: str | None):
+def _act_quant_hooks(run, names: dict[nn.Linear, str], act: str | None):
     """The block's forward as the quantized model runs it: W8A8 Linears read their input quantized per token."""
-    def forward(run, x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor) -> torch.Tensor:
         handles = [] if act is None else [
             m.register_forward_pre_hook(lambda _, inputs: (fake_quantize_tokens(inputs[0], act), *inputs[1:]))
             for m in names
@@ -389,33 +411,61 @@ def _act_quant_hooks(names: dict[nn.Linear, str], act: str | None):
 
 def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
                 report: Reporter, ranks: Ranks, groups: dict[str, tuple[str, ...]], block: str,
-                moe_args: MoE = MoE()) -> torch.Tensor:
-    """One Hessian and one factorization per input tensor: q/k/v and gate/up read one tensor, and so, when every
-    expert sees every token, does every expert's gate/up. The last two inputs are kept (an expert's gate/up input,
-    then its down_proj input, then the next expert's gate/up input again).
+                moe_args: MoE = MoE(), micro: int | None = None) -> torch.Tensor:
+    """The block's one forward over `hidden` (every window), in micro-batches of `micro` windows that keep in step
+    (None: all at once), solving each Linear at its first call. One Hessian and one factorization per input tensor:
+    q/k/v and gate/up read one tensor, and so, when every expert sees every token, does every expert's gate/up. The
+    last two inputs of each micro-batch are kept (an expert's gate/up input, then its down_proj input, then the
+    next expert's gate/up input again).
     groups: Linears that read one input, by name inside the block; learned from the blocks before and used to solve a
     whole group at its first call, in one GPTQ pass (spread over the ranks). An expert Linear whose Hessian saw fewer
     than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
     spec, act = result.info.spec, result.info.activations
     by_name = {n: m for m, n in names.items()}
-    inputs_seen: OrderedDict[int, dict] = OrderedDict()  # id(input) -> its entry
+    parts = [hidden] if micro is None else microbatches.split(hidden, micro)
+    step = microbatches.InStep(len(parts))
+    # per micro-batch, id(input) -> (a weak reference to it, what the Linear reads (W8A8: quantized), its entry)
+    seen_inputs: list[OrderedDict[int, tuple]] = [OrderedDict() for _ in parts]
+    arrived: list = [None] * len(parts)  # each micro-batch's (name, input) at the barrier
+    made: dict = {}  # the entry the last barrier made
     seen: list[list[str]] = []
-    windows, window_len = hidden.shape[0], hidden.shape[1]
+    window_len = hidden.shape[1]
 
-    def entry_for(x: torch.Tensor, name: str) -> dict:
-        st = inputs_seen.get(id(x))
-        if st is not None and st["x"] is x:
-            inputs_seen.move_to_end(id(x))
-            return st
+    def new_entry(module: nn.Linear) -> None:
+        """At a barrier: the Hessian of every micro-batch's input, in window order."""
+        name = arrived[0][0]
+        with report.timed("hessian+gptq"):
+            h = Hessian(module.in_features, arrived[0][1].device)
+            for part, (_, xq) in zip(parts, arrived):
+                if xq.dim() == 2 and xq.shape[0] == part.shape[0] * window_len:  # MoE MLPs flatten the tokens
+                    xq = xq.view(part.shape[0], window_len, -1)  # per window, as the Hessian sums them
+                h.add(xq)
+            if ranks.active:  # the sums and token counts of every rank's share
+                ranks.all_reduce(h.sum)
+                h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
+        st = {"h": h, "solver": None, "rtn": None, "count": h.count, "names": []}
+        if h.count < moe_args.min_tokens and ".experts." in name:
+            st.update(h=None, rtn=h.count)
+        seen.append(st["names"])
+        made["entry"] = st
+
+    def entry_for(module: nn.Linear, x: torch.Tensor, name: str) -> tuple[torch.Tensor, dict]:
+        c = step.index
+        known = seen_inputs[c].get(id(x))
+        if known is not None and known[0]() is x:
+            seen_inputs[c].move_to_end(id(x))
+            return (x if act is None else known[1]), known[2]
         _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
         # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
         xq = x if act is None else fake_quantize_tokens(x, act)
-        st = {"x": x, "xq": xq, "h": None, "solver": None, "rtn": None, "count": 0, "names": []}
-        seen.append(st["names"])
-        inputs_seen[id(x)] = st
-        if len(inputs_seen) > 2:
-            inputs_seen.popitem(last=False)
-        return st
+        arrived[c] = (name, xq)
+        step.barrier(name, lambda: new_entry(module))
+        arrived[c] = None
+        st = made["entry"]
+        seen_inputs[c][id(x)] = (weakref.ref(x), None if act is None else xq, st)
+        if len(seen_inputs[c]) > 2:
+            seen_inputs[c].popitem(last=False)
+        return xq, st
 
     def solve(st: dict, todo: list[str], first: str) -> dict:
         """GPTQ of the Linears in todo, which share st's Hessian: one factorization, one pass over their rows."""
@@ -429,44 +479,35 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         name, x = names[module], inputs[0]
         if moe.replaying(module):  # an expert's routed call: its tokens were all counted in the first call
             return None if act is None else (fake_quantize_tokens(x, act), *inputs[1:])
-        st = entry_for(x, name)
-        st["names"].append(name.removeprefix(block))
+        xq, st = entry_for(module, x, name)
+        if step.index == 0:
+            st["names"].append(name.removeprefix(block))
         if name not in result.qweights:  # a Linear called twice in one forward is quantized once
             with report.timed("hessian+gptq"):
-                if st.get("h") is None and st["solver"] is None:
-                    h = Hessian(module.in_features, x.device)
-                    xq = st["xq"]
-                    if xq.dim() == 2 and xq.shape[0] == windows * window_len:  # MoE MLPs flatten the tokens
-                        xq = xq.view(windows, window_len, -1)  # per window, as the Hessian sums them
-                    h.add(xq)
-                    if ranks.active:  # the sums and token counts of every rank's share
-                        ranks.all_reduce(h.sum)
-                        h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
-                    st["h"], st["count"] = h, h.count
-                    if h.count < moe_args.min_tokens and ".experts." in name:
-                        st.update(h=None, rtn=h.count)
                 if st.get("rtn") is not None:  # too few routed tokens for a Hessian worth solving
                     _few_tokens(module, name, st["rtn"], args, result, report, moe_args)
-                    return None if act is None else (st["xq"], *inputs[1:])
+                    return None if act is None else (xq, *inputs[1:])
                 todo = [name] + [block + m for m in groups.get(name.removeprefix(block), ())
                                  if block + m != name and block + m in by_name and block + m not in result.qweights]
                 owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in todo})
                 mine = solve(st, [n for n in todo if owner[n] == ranks.rank], name)
                 _install(todo, mine, owner, by_name, st["count"], result, ranks)
-        return None if act is None else (st["xq"], *inputs[1:])
+        return None if act is None else (xq, *inputs[1:])
 
+    out = microbatches.Output(parts)
     handles = [m.register_forward_pre_hook(pre_hook) for m in names]
     try:
         with report.timed("forward+quantize"):
-            hidden = run(hidden)
+            step.run(lambda c: out.put(c, run(parts[c])))
     finally:
         for handle in handles:
             handle.remove()
-        inputs_seen.clear()
+        seen_inputs.clear()
+        made.clear()
     # what this block taught about which Linears read one input (a dense first block says nothing about experts)
     groups.update({m: tuple(g) for g in seen for m in g if m not in groups})
     _unreached(names, args, result, report)
-    return hidden
+    return out.value
 
 
 def _solver(h: Hessian, args: WeightQuant, spec: GridSpec, report: Reporter, first: str) -> GPTQ:
