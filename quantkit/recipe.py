@@ -252,7 +252,7 @@ class Recipe(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # memory: load the whole model; stream: read a safetensors checkpoint one block at a time (same artifact bytes);
-    # auto: stream when the whole model would take over half the free host memory
+    # auto: stream a local safetensors checkpoint unless the recipe needs the whole model (calibration on `self`)
     load: Literal["auto", "memory", "stream"] = "auto"
     calibration: Calibration | None = None
     moe: MoE = MoE()

@@ -39,15 +39,19 @@ def recipe_fingerprint(recipe: Recipe) -> dict:
 
 def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_ranks: int = 1):
     """(Streamed source or None for in-memory, the memory plan, where the activations go), decided and checked before
-    any weight is read. load: auto streams a safetensors folder whenever the whole model would take over half the
-    free host memory. local_ranks: processes on this node, each with the plan's host memory to itself."""
+    any weight is read. load: auto streams a local safetensors folder (the same bytes as loading it whole, at a
+    fraction of the memory) unless the calibration samples the whole model (`self`). local_ranks: processes on this
+    node, each with the plan's host memory to itself."""
     folder, gguf = resolve_model_path(recipe.model)
     local = not gguf and Path(folder).is_dir()
     if recipe.load == "stream" and not local:
         raise QuantkitError(f"load: stream reads a local safetensors folder; {recipe.model} is "
                             f"{'a GGUF file' if gguf else 'a hub id'} (use load: memory or auto)")
     safetensors = local and any((Path(folder) / f).is_file() for f in (WEIGHTS_NAME, INDEX_NAME))
-    wanted = recipe.load == "stream" or (recipe.load == "auto" and safetensors)  # auto: .bin folders load whole
+    samples_model = recipe.calibration is not None and any(
+        p.dataset == "self" for p in calibration.parts_of(recipe.calibration))
+    # auto: .bin folders, and self-calibration, load whole
+    wanted = recipe.load == "stream" or (recipe.load == "auto" and safetensors and not samples_model)
     streamed = Streamed(folder, recipe.dtype) if local and wanted else None
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
     moe.unfuse(skeleton)  # what the pipeline will quantize (Streamed has unfused its own)
@@ -56,9 +60,6 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     host_free = host_available() // local_ranks
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     disk_free = memory.disk_available(recipe.export.output) // local_ranks
-    in_memory = memory.plan(skeleton, blocks, targets, recipe, False, device)
-    if streamed is not None and recipe.load == "auto" and in_memory.host_total <= host_free // 2:
-        streamed = None
     free = (f"free: host {fmt_bytes(host_free)}" + (f" per process ({local_ranks} on this node)" if local_ranks > 1
                                                      else "")
             + (f", device {fmt_bytes(device_free)}" if device_free is not None else "") + f", disk {fmt_bytes(disk_free)}")
