@@ -169,6 +169,7 @@ class GPTQ:
         for i1 in range(0, cols, self.block_size):
             i2 = min(i1 + self.block_size, cols)
             w1, h1 = wt[i1:i2].clone(), hinv[i1:i2, i1:i2]
+            diag = h1.diagonal().tolist()  # Python floats: one op less per column than indexing h1
             err1 = torch.empty_like(w1)
             for i in range(i2 - i1):
                 col = i1 + i
@@ -181,13 +182,14 @@ class GPTQ:
                     scale[g], zero[g] = s, z
                 q = quantize_codes(w1[i], s, z, spec.maxq)
                 codes[col] = q
-                err = (w1[i] - (q - z) * s) / h1[i, i]
-                losses += err.square() / 2
+                err = (w1[i] - (q - z) * s) / diag[i]
+                losses += err.square()  # halved once at the end: exact, as halving is
                 w1[i + 1 :].addr_(h1[i, i + 1 :], err, alpha=-1)
                 err1[i] = err
             wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)  # lazy batch update of the remaining columns
         if perm is not None:
             codes = codes[torch.argsort(perm)]
+        losses /= 2
         qw = QuantizedWeight(
             codes=codes.T.to(torch.uint8).cpu(),
             scale=scale.T.contiguous().to(SCALE_DTYPE).cpu(),

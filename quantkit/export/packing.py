@@ -34,6 +34,11 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     v = values.to(torch.int64)
     n = v.shape[-1]
+    if 32 % bits == 0:  # no value crosses a word: each word is its values shifted into place, summed (disjoint bits)
+        per = 32 // bits
+        v = torch.nn.functional.pad(v, (0, (-n) % per)).reshape(*v.shape[:-1], -1, per)
+        words = (v << (torch.arange(per) * bits)).sum(-1)
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     v = torch.nn.functional.pad(v, (0, (-n) % 32)).reshape(*v.shape[:-1], -1, 32)
     words = torch.zeros(*v.shape[:-1], bits + 1, dtype=torch.int64)
     for k in range(32):
