@@ -11,7 +11,8 @@ an HF float32 folder) with the same calibration token windows, as its own proces
 
 Wall time and peak RSS cover the whole quantizing process (imports + load + quantize + save). They are
 read from os.wait4() on that one child (what GNU `time -v` reports; a child's own finished
-subprocesses count towards its peak). Every output is then scored by one evaluator, `quantkit eval
+subprocesses count towards its peak), by a small launcher process (`_LAUNCHER`: a child of a large parent would
+report the parent's peak too). Every output is then scored by one evaluator, `quantkit eval
 OUT --dataset wikitext2 --seq-len 2048 [--max-tokens N] --json F` (its `ppl`).
 
 Make the peer venvs first: `bash bench/setup_peers.sh`. See bench/README_peers.md.
@@ -182,28 +183,43 @@ def worker_main(argv: list[str]) -> None:
 # Driver (main env)
 # --------------------------------------------------------------------------------------------------
 
+# Linux carries the high-water mark of the address space a process execs from into its ru_maxrss, and Python spawns
+# children with vfork: a child of this (GB-sized) process would report at least this process's own peak. A small
+# launcher process starts each measured command instead and reports that command's own rusage.
+_LAUNCHER = """import json, os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, ru = os.wait4(proc.pid, 0)
+open(sys.argv[1], "w").write(json.dumps([status, ru.ru_maxrss, ru.ru_utime + ru.ru_stime]))
+"""
+
+
 def run_measured(cmd: list[str], log_path: Path, env: dict, nice: int) -> dict:
-    """Run one child to completion; wall seconds and its own peak RSS via wait4 (like GNU time -v).
+    """Run one child to completion; wall seconds and its own peak RSS via wait4 (like GNU time -v), read by a small
+    launcher process (see _LAUNCHER).
 
     Children run in the logs folder: GPTQModel writes ./logs/gptq_log_*.log into its working directory."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"$ {' '.join(cmd)}  (log: {log_path})")
     preexec = (lambda: os.nice(nice)) if nice else None
     load_before = os.getloadavg()[0]
+    usage = log_path.with_suffix(".rusage.json")
+    usage.unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, preexec_fn=preexec, cwd=log_path.parent)
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(usage), *cmd], stdout=logf,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec,
+                                cwd=log_path.parent)
         try:
-            _, status, ru = os.wait4(proc.pid, 0)
+            proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
             raise
     wall = time.perf_counter() - t0
+    status, maxrss, cpu = json.loads(usage.read_text()) if usage.is_file() else (proc.returncode << 8, 0, 0.0)
     proc.returncode = rc = os.waitstatus_to_exitcode(status)
-    res = {"rc": rc, "wall_s": round(wall, 2), "peak_rss_mb": round(ru.ru_maxrss / 1024, 1),
-           "cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "log": str(log_path),
+    res = {"rc": rc, "wall_s": round(wall, 2), "peak_rss_mb": round(maxrss / 1024, 1),
+           "cpu_s": round(cpu, 1), "log": str(log_path),
            # 1-min load average around the run: above ~2 on 2 cores, other work shared the CPUs.
            "loadavg_before": round(load_before, 2), "loadavg_after": round(os.getloadavg()[0], 2)}
     if rc != 0:

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_gptq import run_measured  # noqa: E402  (wall time + peak RSS of one child)
+
 
 def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
     """Writes the checkpoint layer by layer; returns its safetensors bytes."""
@@ -125,18 +128,14 @@ def run(work: Path, label: str, model: Path, load: str, stage: str, calibration:
         + f"stages:\n  - {stage}\nexport: {{output: {work / label}, formats: [compressed-tensors], "
         "max_shard_size: 64MB}\n")
     summary, log = work / f"{label}.json", work / f"{label}.log"
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "quantize", str(recipe), "--overwrite",
-                                  "--no-resume", "--json", str(summary)], stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN keeps the max of all)
-    wall = time.perf_counter() - start
+    res = run_measured([sys.executable, "-m", "quantkit.cli", "quantize", str(recipe), "--overwrite", "--no-resume",
+                        "--json", str(summary)], log, dict(os.environ), 0)  # this child's own rusage
     lines = log.read_text().splitlines()
-    if status:
-        raise SystemExit(f"{label}: quantkit failed: {lines[-1] if lines else status}")
+    if res["rc"]:
+        raise SystemExit(f"{label}: quantkit failed: {lines[-1] if lines else res['rc']}")
     body = json.loads(summary.read_text())
-    return {"label": label, "load": body["load"], "wall_s": round(wall, 1),
-            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss": usage.ru_maxrss * 1024,
+    return {"label": label, "load": body["load"], "wall_s": round(res["wall_s"], 1),
+            "cpu_s": res["cpu_s"], "peak_rss": int(res["peak_rss_mb"] * 1024 * 1024),
             "plan_host": body["memory"]["plan"]["host_total"], "rss_start": body["memory"]["rss_start"],
             "plan": next(line for line in lines if line.startswith("memory plan:"))}
 
@@ -152,6 +151,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     ckpt = args.work / "ckpt"
+    # in a process of its own, so that this one stays small (see peer_gptq.run_measured)
+    subprocess.run([sys.executable, __file__, "_write", str(ckpt), str(args.layers)], check=True)
     total = write_checkpoint(ckpt, args.layers)
     print(f"checkpoint {ckpt}: {total / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     sliced = args.work / f"ckpt-{args.gptq_layers}l"
@@ -196,4 +197,7 @@ def _shapes(folder: Path):
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["_write"]:
+        write_checkpoint(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()

@@ -70,6 +70,7 @@ def main() -> int:
         return 1
     has_amx = amx(args.vllm_python)
     out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43], [100, 7, 300, 12, 9]]
     results: dict[str, dict] = {}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

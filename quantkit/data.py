@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from .errors import QuantkitError
+from .files import cache_root
 
 BUNDLED = Path(__file__).resolve().parents[1] / "evals" / "data"
 DOMAINS = {  # name -> (calibration split, evaluation split)
@@ -137,20 +141,37 @@ _TOKENIZED: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # a few recent (to
 
 
 def token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> torch.Tensor:
-    """int64 ids of the whole text. Tokenizing a corpus takes seconds, and one process often needs the same one
-    again (each artifact of a report, the base's check, each test): the last few results are kept, keyed by the
-    tokenizer's full serialization (vocabulary, merges, special tokens) and the text's hash."""
+    """int64 ids of the whole text. Tokenizing a corpus takes a second or more, and the same ones come back (each
+    artifact of a report, the base's check, every quantize run of a recipe): results are kept in memory (the last
+    few) and on disk under $QUANTKIT_CACHE/tokens, keyed by the tokenizer's full serialization (vocabulary, merges,
+    special tokens), the text's hash and the tokenizers version."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    key = None
-    if backend is not None:
-        key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), hashlib.sha256(text.encode()).hexdigest(),
-               add_special_tokens, type(tokenizer).__name__)
-        if key in _TOKENIZED:
-            _TOKENIZED.move_to_end(key)
-            return _TOKENIZED[key]
-    ids = torch.tensor(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], dtype=torch.int64)
-    if key is not None:
-        _TOKENIZED[key] = ids
-        while len(_TOKENIZED) > 8:
-            _TOKENIZED.popitem(last=False)
+    if backend is None:  # a slow tokenizer has no serialization to key on
+        return _tokenize(tokenizer, text, add_special_tokens)
+    import tokenizers
+
+    key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), hashlib.sha256(text.encode()).hexdigest(),
+           add_special_tokens, type(tokenizer).__name__, tokenizers.__version__)
+    if key in _TOKENIZED:
+        _TOKENIZED.move_to_end(key)
+        return _TOKENIZED[key]
+    path = cache_root() / "tokens" / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()}.safetensors"
+    try:
+        ids = load_file(str(path))["ids"].to(torch.int64)
+    except (OSError, KeyError, SafetensorError):  # not cached yet, or an unreadable entry: tokenize again
+        ids = _tokenize(tokenizer, text, add_special_tokens)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            save_file({"ids": ids.to(torch.int32)}, str(tmp))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache costs only the next run's tokenizing
+    _TOKENIZED[key] = ids
+    while len(_TOKENIZED) > 8:
+        _TOKENIZED.popitem(last=False)
     return ids
+
+
+def _tokenize(tokenizer, text: str, add_special_tokens: bool) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], dtype=torch.int64)

@@ -1,5 +1,5 @@
-"""Writes that never leave a half-written file (a temp file next to the target, then an atomic rename), and what a
-model's weights weigh."""
+"""Writes that never leave a half-written file (a temp file next to the target, then an atomic rename), where
+quantkit's caches live, and what a model's weights weigh."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def write_text_atomic(path: Path | str, text: str) -> Path:
 
 def write_json_atomic(path: Path | str, body: dict, indent: int | None = 2) -> Path:
     return write_text_atomic(path, json.dumps(body, indent=indent) + "\n")
+
+
+def cache_root(override: str | None = None) -> Path:
+    """--cache-dir, else $QUANTKIT_CACHE, else ~/.cache/quantkit."""
+    if override:
+        return Path(override).expanduser()
+    env = os.environ.get("QUANTKIT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
 
 
 def weight_bytes(path: str | Path, model=None) -> tuple[int, str]:

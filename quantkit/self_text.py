@@ -16,6 +16,7 @@ import time
 import torch
 
 from .eval import cache
+from .files import cache_root
 from .eval.generation import left_padded, load_prompts, render
 from .model import model_fingerprint
 from .progress import Reporter, fmt_eta
@@ -32,7 +33,7 @@ def entry(model_spec: str, n_tokens: int, seed: int, dtype: str, device: torch.d
                  prompts=hashlib.sha256("\x00".join(prompts).encode()).hexdigest(), temperature=TEMPERATURE,
                  top_p=TOP_P, max_new_tokens=MAX_NEW_TOKENS, batch_size=batch_size, torch=torch.__version__,
                  transformers=transformers.__version__)
-    return cache.JsonCache(cache.cache_root(root), "self-text", cache.key(**parts))
+    return cache.JsonCache(cache_root(root), "self-text", cache.key(**parts))
 
 
 @torch.no_grad()

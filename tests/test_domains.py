@@ -210,3 +210,26 @@ def test_token_ids_are_the_tokenizers_and_kept_per_tokenizer_and_text(tok):
     assert data.token_ids(tiny_tokenizer(), text, add_special_tokens=False) is first  # an equal tokenizer: kept
     assert data.token_ids(tok, text + " x", add_special_tokens=False) is not first
     assert not torch.equal(data.token_ids(tiny_tokenizer(384), text, add_special_tokens=False), first)
+
+
+def test_token_ids_come_back_from_the_disk_cache_in_a_new_process(tok, tmp_path, monkeypatch):
+    """A quantize run tokenizes its calibration text once per machine: a later process reads the ids from
+    $QUANTKIT_CACHE/tokens instead of tokenizing again (same ids), and a corrupt entry is tokenized again."""
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(data, "_TOKENIZED", type(data._TOKENIZED)())  # a fresh process's memory
+    text = data.read_text(data.resolve("code", "eval", "x"))[:30000]
+    first = data.token_ids(tok, text)
+    [entry] = (tmp_path / "tokens").glob("*.safetensors")
+    data._TOKENIZED.clear()
+
+    def refuse(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(data, "_tokenize", refuse)
+    again = data.token_ids(tok, text)
+    assert torch.equal(again, first) and again.dtype == torch.int64
+    data._TOKENIZED.clear()
+    entry.write_bytes(b"not safetensors")
+    monkeypatch.undo()
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
+    assert torch.equal(data.token_ids(tok, text), first)

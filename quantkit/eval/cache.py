@@ -23,13 +23,6 @@ from .distribution import BaseTopK
 META = "meta.json"
 
 
-def cache_root(override: str | None = None) -> Path:
-    if override:
-        return Path(override).expanduser()
-    env = os.environ.get("QUANTKIT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
-
-
 def key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -22,6 +22,7 @@ from ..files import weight_bytes
 from ..model import model_fingerprint, pick_device, resolve_model_path
 from ..progress import Reporter
 from ..quantize.memory import host_available
+from ..files import cache_root
 from . import cache, generation, tasks
 from .compare import base_logits_entry, distribution_shift, fill_base_cache
 from .distribution import ShiftAccumulator, token_stats_from_topk
@@ -150,7 +151,7 @@ def _fill_base_logits(domain: str, spec: str, ids: torch.Tensor, o: EvalOptions,
 def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> dict:
     """engine: a started engines.vllm.VllmEngine to serve the model with (--engine vllm; default: one of its own)."""
     device = pick_device(o.device)
-    root = cache.cache_root(o.cache_dir)
+    root = cache_root(o.cache_dir)
     start = time.perf_counter()
     vllm = o.engine == "vllm"
     if vllm:
