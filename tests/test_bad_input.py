@@ -119,14 +119,14 @@ def test_disk_full_and_existing_output_leave_the_old_artifact_intact(tiny_llama,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(artifact, "save_file", disk_full)
+        m.setattr(artifact._SpooledShard, "add", disk_full)  # the first bytes written
         message = f"error: export.output: cannot write {out / 'gptq'}: No space left on device"
         assert fails(m, capsys, recipe) == message
         assert_nothing_written(out)
     assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
     before = {p.name: p.read_bytes() for p in (out / "gptq").iterdir()}
     with monkeypatch.context() as m:
-        m.setattr(artifact, "save_file", disk_full)
+        m.setattr(artifact._SpooledShard, "add", disk_full)  # the first bytes written
         assert fails(m, capsys, recipe, "--overwrite") == message
     assert fails(monkeypatch, capsys, recipe) == (
         f"error: export.output: {out / 'gptq'} already exists (pass --overwrite to replace it)")
