@@ -221,12 +221,6 @@ class ReleaseEval(_Strict):
     # what runs the artifact: quantkit's runtime, or vLLM ($QUANTKIT_VLLM_PYTHON); the base always runs in quantkit
     engine: Literal["quantkit", "vllm"] = "quantkit"
 
-    @model_validator(mode="after")
-    def _tasks_in_quantkit(self):
-        if self.engine == "vllm" and self.tasks:
-            raise PydanticCustomError("engine", "tasks: lm-eval tasks run with engine: quantkit only")
-        return self
-
 
 class ReleaseBench(_Strict):
     enabled: bool = True

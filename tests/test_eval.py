@@ -12,7 +12,8 @@ from quantkit.errors import QuantkitError
 from quantkit.eval import cache
 from quantkit.eval.distribution import HIST_EDGES, BaseTopK, ShiftAccumulator, token_stats, token_stats_from_topk
 from quantkit.eval.generation import compare, load_prompts
-from quantkit.eval.tasks import parse_tasks, wikitext_pages
+from quantkit.eval.lm_eval_tasks import wikitext_pages
+from quantkit.eval.tasks import parse_tasks
 from tiny_models import tiny_tokenizer
 from conftest import run_cli, write_recipe
 
@@ -219,6 +220,31 @@ def test_eval_json_contract_and_base_cache(monkeypatch, tmp_path, tiny_llama, rt
     code, fourth = run_eval(monkeypatch, tmp_path, rtn_artifact, "--base", tiny_llama, "--kld-top-k", "64",
                             "--no-generation", name="d.json")
     assert code == 0 and fourth["base_cache_hit"]["logits"] == {"wikitext2": False}
+
+
+def test_task_definitions_load_by_path_without_quantkit(tmp_path):
+    """vLLM's worker loads eval/lm_eval_tasks.py by its path, where quantkit is not installed: it must build the
+    bundled tasks from the standard library, lm_eval and datasets alone."""
+    import subprocess
+    import sys
+
+    from quantkit.data import BUNDLED
+    from quantkit.eval import lm_eval_tasks
+
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('t', {lm_eval_tasks.__file__!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"task = m.local_task('arc_easy', __import__('pathlib').Path({str(BUNDLED)!r}))\n"
+        "print(len(task.test_docs()), any(k.startswith('quantkit') for k in sys.modules))\n"
+        "try:\n    m.local_task('lambada_openai', __import__('pathlib').Path('/nowhere'))\n"
+        "except m.MissingData as err:\n    print(err)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         env={**__import__("os").environ, "HF_DATASETS_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = (BUNDLED / "arc_easy" / "ARC-Easy-Test.jsonl").read_text().splitlines()
+    assert run.stdout.split("\n")[:2] == [f"{len([r for r in rows if r.strip()])} False",
+                                          "/nowhere/lambada_openai/lambada_test.jsonl"]
 
 
 def test_local_arc_easy_matches_brute_force_loglikelihood(monkeypatch, tiny_llama):

