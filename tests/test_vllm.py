@@ -171,6 +171,9 @@ def test_smollm2_in_vllm_matches_quantkit(smollm2_hf, tmp_path, engine):
     for task, metric in (("lambada_openai", "acc"), ("arc_easy", "acc"), ("arc_easy", "acc_norm")):
         # one document of TASK_DOCS may flip on a float16 near-tie
         assert abs(tasks[task]["model"][metric] - tasks[task]["base"][metric]) <= 1 / TASK_DOCS + 1e-9, tasks
+    from quantkit.eval.report import markdown
+
+    assert "model type vllm." in markdown([body]) and "| arc_easy | acc_norm |" in markdown([body])
 
 
 @needs_vllm

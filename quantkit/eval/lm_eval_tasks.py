@@ -111,22 +111,22 @@ def _task_manager(local_only: bool):
     return _MANAGERS[local_only]
 
 
-def run(model, names: list[str], data: Path, limit: int | None, num_fewshot: int | None, quiet: bool,
-        model_args: dict | None = None) -> dict:
-    """lm_eval.simple_evaluate of `names` on `model` (an lm-eval LM, or a registered model type such as "vllm" with
-    `model_args`) -> {"scores": {task: {metric: value}}, "n_samples": {task: n}, "lm_eval": version}. lm-eval's own
-    exceptions (an unknown task, no hub access) pass through; a missing bundled file raises MissingData."""
+def run(lm, names: list[str], data: Path, limit: int | None, num_fewshot: int | None, quiet: bool) -> dict:
+    """lm_eval.simple_evaluate of `names` on `lm` (an lm-eval LM: HFLM around quantkit's runtime, or lm-eval's VLLM)
+    -> {"scores": {task: {metric: value}}, "n_samples": {task: n}, "lm_eval": version, "add_bos_token": what lm
+    used (None: the tokenizer's default)}. lm-eval's own exceptions (an unknown task, no hub access) pass through;
+    a missing bundled file raises MissingData."""
     import lm_eval
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     specs = [local_task(n, data) if n in LOCAL_TASKS else n for n in names]
     with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():  # lm-eval's bars
-        out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=specs, limit=limit,
-                                      num_fewshot=num_fewshot, bootstrap_iters=1000, log_samples=False,
-                                      verbosity="ERROR", task_manager=_task_manager(all(n in LOCAL_TASKS
-                                                                                        for n in names)))
+        out = lm_eval.simple_evaluate(model=lm, tasks=specs, limit=limit, num_fewshot=num_fewshot,
+                                      bootstrap_iters=1000, log_samples=False, verbosity="ERROR",
+                                      task_manager=_task_manager(all(n in LOCAL_TASKS for n in names)))
     scores = {task: {k.replace(",none", ""): v for k, v in metrics.items()
                      if k != "alias" and isinstance(v, (int, float))}
               for task, metrics in out["results"].items()}
     return {"scores": scores, "lm_eval": getattr(lm_eval, "__version__", "unknown"),
+            "add_bos_token": getattr(lm, "add_bos_token", None),
             "n_samples": {t: v.get("effective", v.get("original")) for t, v in out.get("n-samples", {}).items()}}

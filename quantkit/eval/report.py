@@ -89,7 +89,8 @@ def markdown(bodies: list[dict]) -> str:
             s = b["tasks_settings"]
             parts += [f"## Tasks: {_name(b)}", "",
                       f"lm-eval {s['lm_eval']}, limit {s['limit']}, {s['num_fewshot']}-shot, batch {s['batch_size']}, "
-                      f"max length {s['max_length']}, BOS added: {s['add_bos_token']}, chat template: {s['chat_template']}.",
+                      f"max length {s['max_length']}, BOS added: {_bos(s.get('add_bos_token'))}, chat template: "
+                      f"{s['chat_template']}, model type {s.get('model_type', 'hf')}.",
                       "", "| task | metric | model | base | ratio |", "|---|---|---|---|---|"]
             for t, v in tasks.items():
                 for m, val in v["model"].items():
@@ -184,3 +185,7 @@ def plots(bodies: list[dict], out: Path) -> list[Path]:
     fig.savefig(written[-1], dpi=120)
     plt.close(fig)
     return written
+
+
+def _bos(added: bool | None) -> str:
+    return "the tokenizer's default" if added is None else str(added)

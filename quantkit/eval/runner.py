@@ -18,11 +18,10 @@ import torch
 
 from .. import data, runtime, self_text
 from ..errors import QuantkitError
-from ..files import weight_bytes
+from ..files import cache_root, weight_bytes
 from ..model import model_fingerprint, pick_device, resolve_model_path
 from ..progress import Reporter
 from ..quantize.memory import host_available
-from ..files import cache_root
 from . import cache, generation, tasks
 from .compare import base_logits_entry, distribution_shift, fill_base_cache
 from .distribution import ShiftAccumulator, token_stats_from_topk
@@ -286,10 +285,8 @@ def _vllm_measurements(model_path: str, o: EvalOptions, ids_of: dict[str, torch.
         if o.tasks:  # last: lm-eval's vLLM model type builds an engine of its own in place of the served one
             with report.timed("model_tasks"):
                 result = engine.tasks(model_path, dtype, o.seq_len, o.tasks, o.limit, o.num_fewshot, o.batch_size)
-            settings = {"lm_eval": result["lm_eval"], "limit": o.limit, "num_fewshot": o.num_fewshot or 0,
-                        "batch_size": o.batch_size, "max_length": o.seq_len, "model_type": "vllm",
-                        "chat_template": False, "n_samples": result["n_samples"]}
-            out |= _task_table(o.tasks, result["scores"], base_scores, settings)
+            out |= _task_table(o.tasks, result["scores"], base_scores,
+                               tasks.settings(result, "vllm", o.limit, o.num_fewshot, o.batch_size, o.seq_len))
     finally:
         if own:
             engine.close()

@@ -29,7 +29,14 @@ def run_tasks(model, tokenizer, names: list[str], limit: int | None, num_fewshot
         raise QuantkitError(f"--tasks: bundled data missing at {err} (run from a full quantkit checkout)") from None
     except Exception as err:  # lm-eval raises bare exceptions for unknown tasks and missing hub access
         raise QuantkitError(f"--tasks: lm-eval could not run {names}: {first_line(err)}") from None
-    return {"scores": out["scores"], "settings": {
-        "lm_eval": out["lm_eval"], "limit": limit, "num_fewshot": num_fewshot or 0, "batch_size": batch_size,
-        "max_length": max_length, "add_bos_token": bool(lm.add_bos_token), "chat_template": False,
-        "n_samples": out["n_samples"]}}
+    return {"scores": out["scores"], "settings": settings(out, "hf", limit, num_fewshot, batch_size, max_length)}
+
+
+def settings(out: dict, model_type: str, limit: int | None, num_fewshot: int | None, batch_size: int,
+             max_length: int) -> dict:
+    """What shaped the scores of one lm_eval_tasks.run, whichever engine ran it."""
+    bos = out["add_bos_token"]
+    return {"lm_eval": out["lm_eval"], "model_type": model_type, "limit": limit, "num_fewshot": num_fewshot or 0,
+            "batch_size": batch_size, "max_length": max_length,
+            "add_bos_token": bos if bos is None else bool(bos), "chat_template": False,
+            "n_samples": out["n_samples"]}

