@@ -16,6 +16,7 @@ hidden states bit for bit makes the resumed run's artifact byte-identical to an 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -112,7 +113,8 @@ class BlockCheckpoints:
 
         thread = threading.Thread(target=write, name=f"checkpoint-{i}", daemon=True)
         thread.start()
-        self._pending = (thread, i, {"losses": losses, "specs": specs, "extra": extra})
+        # a snapshot: the passes keep adding to their counters while block i+1 runs, before flush() writes them
+        self._pending = (thread, i, {"losses": losses, "specs": specs, "extra": copy.deepcopy(extra)})
 
     def flush(self) -> int | None:
         """Waits until the last save's files are on disk (every rank's), then names its block in state.json; returns
