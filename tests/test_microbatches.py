@@ -40,6 +40,31 @@ def test_a_barrier_runs_its_action_once_every_micro_batch_has_arrived():
     assert alone.run(lambda c: alone.barrier("x", lambda: log.append("alone")) or c) == [0] and log[-1] == "alone"
 
 
+def test_each_micro_batch_keeps_its_own_grad_mode_across_barriers():
+    """torch's grad mode is per thread and the micro-batches share one: a no_grad block left open at a barrier
+    must not switch gradients on or off for another micro-batch, or for the caller afterwards."""
+    import torch
+
+    step = InStep(3)
+
+    def forward(c: int) -> list[bool]:
+        seen = []
+        with torch.no_grad():
+            step.barrier("q_proj", lambda: None)
+            seen.append(torch.is_grad_enabled())
+            step.barrier("down_proj", lambda: None)
+            seen.append(torch.is_grad_enabled())
+        seen.append(torch.is_grad_enabled())
+        return seen
+
+    assert torch.is_grad_enabled()
+    assert step.run(forward) == [[False, False, True]] * 3
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        assert step.run(forward) == [[False, False, False]] * 3
+        assert not torch.is_grad_enabled()
+
+
 def test_micro_batches_that_part_ways_are_named_and_a_failure_unwinds_the_others():
     step = InStep(3)
     with pytest.raises(QuantkitError, match="micro-batch 1 reached k_proj where micro-batch 0 reached q_proj"):

@@ -73,11 +73,20 @@ class InStep:
         runs = [greenlet.greenlet(lambda c=c: fn(c), parent=caller) for c in range(self.n)]
         self._index = {g: c for c, g in enumerate(runs)}
         results: list = [None] * self.n
+        # torch's grad mode is per thread, and the greenlets share one: each keeps its own across its switches, so
+        # a `with torch.no_grad()` left at a barrier does not leak into the next micro-batch or the caller
+        own = torch.is_grad_enabled()
+        modes = [own] * self.n
         try:
             while True:  # a round: each micro-batch runs up to its next barrier, or to its end
                 stops = []
                 for c, g in enumerate(runs):
-                    value = g.switch()
+                    torch.set_grad_enabled(modes[c])
+                    try:
+                        value = g.switch()
+                    finally:
+                        modes[c] = torch.is_grad_enabled()
+                        torch.set_grad_enabled(own)
                     stops.append(_END if g.dead else value)
                     if g.dead:
                         results[c] = value
@@ -88,9 +97,11 @@ class InStep:
                 if stops[0] is _END:
                     return results
         finally:
-            for g in runs:  # after an error: the others unwind (their finally blocks run)
+            for c, g in enumerate(runs):  # after an error: the others unwind (their finally blocks run)
                 if not g.dead:
+                    torch.set_grad_enabled(modes[c])
                     g.throw(greenlet.GreenletExit)
+            torch.set_grad_enabled(own)
             self._index = {}
 
     def barrier(self, key: Hashable, action: Callable[[], None]) -> None:
