@@ -358,7 +358,8 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
             else:
                 if stage.name == "gptq":
                     with report.timed("forward+quantize"):
-                        _gptq_passes(run, hidden, names, stage.args, result, report, ranks, f"{prefix}.{i}.", moe_args)
+                        _gptq_passes(run, hidden, names, stage.args, result, report, ranks, f"{prefix}.{i}.", micro,
+                                     moe_args)
                 else:
                     _rtn_weights(names, stage.args, result, report)
                 with report.timed("forward"):
@@ -553,14 +554,15 @@ def _independent(a: str, b: str) -> bool:
 
 
 def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
-                 report: Reporter, ranks: Ranks, block: str, moe_args: MoE = MoE()) -> None:
+                 report: Reporter, ranks: Ranks, block: str, micro: int, moe_args: MoE = MoE()) -> None:
     """GPTQ of one block whose windows come in several batches (offloaded activations). A Linear cannot be solved at
     its first call, which sees one batch only, so the block runs over every batch once per wave of Linears: a wave
     sums the Hessian of every not yet quantized Linear whose input depends on quantized Linears only (and on the
     other experts of its MoE MLP, which it does not read), and solves them once every batch is in. The next wave
     sees them quantized, as the one-forward path's later Linears do (true-sequential). A forward stops at the first
     Linear that must wait for this wave. Linears reading one tensor (q/k/v, gate/up, every expert's gate/up when
-    every expert sees every token) share one Hessian and one factorization."""
+    every expert sees every token) share one Hessian and one factorization. Each forward runs `micro` windows at a
+    time (the Hessians still add window by window, in window order)."""
     spec, act = result.info.spec, result.info.activations
     by_name = {n: m for m, n in names.items()}
     while True:
@@ -598,12 +600,12 @@ def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: We
         handles = [m.register_forward_pre_hook(pre_hook) for m in names]
         try:
             for k in range(len(hidden)):
-                x = hidden.read(k)
-                forward = {"unquantized": [], "windows": x.shape[0], "len": x.shape[1]}
-                try:
-                    run(x)
-                except _Stop:
-                    pass
+                for x in microbatches.split(hidden.read(k), micro):
+                    forward = {"unquantized": [], "windows": x.shape[0], "len": x.shape[1]}
+                    try:
+                        run(x)
+                    except _Stop:
+                        pass
         finally:
             for handle in handles:
                 handle.remove()
