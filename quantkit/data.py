@@ -144,14 +144,15 @@ def token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> torch.Te
     """int64 ids of the whole text. Tokenizing a corpus takes a second or more, and the same ones come back (each
     artifact of a report, the base's check, every quantize run of a recipe): results are kept in memory (the last
     few) and on disk under $QUANTKIT_CACHE/tokens, keyed by the tokenizer's full serialization (vocabulary, merges,
-    special tokens), the text's hash and the tokenizers version."""
+    special tokens), the text's hash and the tokenizers and transformers versions."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow tokenizer has no serialization to key on
         return _tokenize(tokenizer, text, add_special_tokens)
     import tokenizers
+    import transformers
 
     key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), hashlib.sha256(text.encode()).hexdigest(),
-           add_special_tokens, type(tokenizer).__name__, tokenizers.__version__)
+           add_special_tokens, type(tokenizer).__name__, tokenizers.__version__, transformers.__version__)
     if key in _TOKENIZED:
         _TOKENIZED.move_to_end(key)
         return _TOKENIZED[key]
@@ -160,13 +161,13 @@ def token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> torch.Te
         ids = load_file(str(path))["ids"].to(torch.int64)
     except (OSError, KeyError, SafetensorError):  # not cached yet, or an unreadable entry: tokenize again
         ids = _tokenize(tokenizer, text, add_special_tokens)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
             save_file({"ids": ids.to(torch.int32)}, str(tmp))
             tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache costs only the next run's tokenizing
+        except (OSError, SafetensorError):  # safetensors reports a failed write as its own error
+            tmp.unlink(missing_ok=True)  # a read-only or full cache costs only the next run's tokenizing
     _TOKENIZED[key] = ids
     while len(_TOKENIZED) > 8:
         _TOKENIZED.popitem(last=False)

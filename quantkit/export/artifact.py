@@ -88,6 +88,11 @@ class ShardWriter:
         self.files.append(path)
         self.shard = None
 
+    def abort(self) -> None:
+        if self.shard is not None:
+            self.shard.file.close()
+            self.shard = None
+
     def close(self) -> list[str]:
         if self.shard is not None or not self.files:
             self._flush()
@@ -191,6 +196,7 @@ class ArtifactWriter:
     def __exit__(self, kind, err, tb) -> None:
         if kind is None:
             return
+        self.shards.abort()  # an open spool would keep its deleted file's disk space
         shutil.rmtree(self.tmp, ignore_errors=True)
         if isinstance(err, OSError):
             raise QuantkitError(f"export.output: cannot write {self.dest}: {err.strerror or err}") from None

@@ -180,7 +180,8 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     p.host["weights"] = weights
     p.advice["weights"] = ("one block is this large: use a machine with more memory" if streamed else
                            "set load: stream (safetensors checkpoints) to hold one block at a time")
-    p.disk["artifact"] = est_artifact * len(recipe.export.formats) + shard
+    # every format's artifact, and the spool of the shard each one is filling (written out from it when full)
+    p.disk["artifact"] = (est_artifact + shard) * len(recipe.export.formats)
     p.advice["artifact"] = "free disk space under export.output, or write fewer export.formats"
     p.host["runtime"] = RUNTIME
     acts = hidden = solver = 0
