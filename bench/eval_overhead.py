@@ -49,14 +49,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from quantkit import runtime
-    from quantkit.eval import cache
+    from quantkit.files import cache_root
     from quantkit.eval.compare import base_logits_entry, distribution_shift, fill_base_cache
     from quantkit.eval.perplexity import eval_tokens, window_logits
     from quantkit.progress import Reporter
 
     quiet = Reporter(quiet=True)
     cpu = torch.device("cpu")
-    root = cache.cache_root()
+    root = cache_root()
     loaded = runtime.load(args.artifact)
     ids = eval_tokens(loaded.tokenizer, "wikitext2", args.max_tokens)
     entry, parts = base_logits_entry(args.base, ids, args.seq_len, 256, "auto", cpu, root)

@@ -36,6 +36,7 @@ import json
 import shlex
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -208,16 +209,20 @@ def run_measured(cmd: list[str], log_path: Path, env: dict, nice: int) -> dict:
     with open(log_path, "w") as logf:
         proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(usage), *cmd], stdout=logf,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec,
-                                cwd=log_path.parent)
+                                cwd=log_path.parent, start_new_session=True)
         try:
             proc.wait()
         except BaseException:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the measured child with it
             proc.wait()
             raise
     wall = time.perf_counter() - t0
-    status, maxrss, cpu = json.loads(usage.read_text()) if usage.is_file() else (proc.returncode << 8, 0, 0.0)
-    proc.returncode = rc = os.waitstatus_to_exitcode(status)
+    if usage.is_file():
+        status, maxrss, cpu = json.loads(usage.read_text())
+        rc = os.waitstatus_to_exitcode(status)
+    else:  # the launcher itself failed or was killed
+        rc, maxrss, cpu = proc.returncode, 0, 0.0
+    proc.returncode = rc
     res = {"rc": rc, "wall_s": round(wall, 2), "peak_rss_mb": round(maxrss / 1024, 1),
            "cpu_s": round(cpu, 1), "log": str(log_path),
            # 1-min load average around the run: above ~2 on 2 cores, other work shared the CPUs.
