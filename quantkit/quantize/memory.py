@@ -177,6 +177,8 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     p = MemoryPlan(offload=offload.where, batch_size=offload.batch_size)
     on_device = device.type == "cuda"
     weights = block_bytes + outer_bytes + block_codes if streamed else total_bytes + codes
+    if streamed and recipe.needs_calibration:  # the last block, held by its checkpoint's write while the next loads
+        weights += block_bytes + block_codes
     p.host["weights"] = weights
     p.advice["weights"] = ("one block is this large: use a machine with more memory" if streamed else
                            "set load: stream (safetensors checkpoints) to hold one block at a time")
