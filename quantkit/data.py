@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import QuantkitError
-from .files import cache_root
+from .files import cache_root, write_atomic
 
 BUNDLED = Path(__file__).resolve().parents[1] / "evals" / "data"
 DOMAINS = {  # name -> (calibration split, evaluation split)
@@ -161,13 +160,11 @@ def token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> torch.Te
         ids = load_file(str(path))["ids"].to(torch.int64)
     except (OSError, KeyError, SafetensorError):  # not cached yet, or an unreadable entry: tokenize again
         ids = _tokenize(tokenizer, text, add_special_tokens)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"ids": ids.to(torch.int32)}, str(tmp))
-            tmp.replace(path)
+            write_atomic(path, lambda tmp: save_file({"ids": ids.to(torch.int32)}, str(tmp)))
         except (OSError, SafetensorError):  # safetensors reports a failed write as its own error
-            tmp.unlink(missing_ok=True)  # a read-only or full cache costs only the next run's tokenizing
+            pass  # a read-only or full cache costs only the next run's tokenizing
     _TOKENIZED[key] = ids
     while len(_TOKENIZED) > 8:
         _TOKENIZED.popitem(last=False)

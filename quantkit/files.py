@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
-def write_text_atomic(path: Path | str, text: str) -> Path:
+def write_atomic(path: Path | str, write: Callable[[Path], None]) -> Path:
+    """write(temp path) fills a temp file next to `path`, which then replaces it; a failed write leaves no file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
+        write(tmp)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    return write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def write_json_atomic(path: Path | str, body: dict, indent: int | None = 2) -> Path:
