@@ -30,14 +30,14 @@ def four_layers(tmp_path_factory) -> Path:
 
 
 def quantize(recipe: Path, *extra: str, kill_after_block: int | None = None,
-             in_flight: bool = False) -> subprocess.CompletedProcess:
+             in_flight: bool = False, prelude: str = "") -> subprocess.CompletedProcess:
     """`quantkit quantize` in a child process; with kill_after_block, the child SIGKILLs itself right after that
     block's checkpoint is on disk and named in state.json (the worst moment: the next block is computed, nothing of it
-    written). in_flight: right after the block is handed to the background writer instead, its files half-written."""
-    prelude = ""
+    written). in_flight: right after the block is handed to the background writer instead, its files half-written.
+    prelude: code the child runs first."""
     if kill_after_block is not None:
         method = "save" if in_flight else "flush"
-        prelude = textwrap.dedent(f"""
+        prelude += textwrap.dedent(f"""
             import os, signal
             from quantkit.quantize import checkpoint
             original = checkpoint.BlockCheckpoints.{method}
@@ -98,6 +98,35 @@ def test_a_kill_while_a_checkpoint_is_written_resumes_from_the_block_before(four
     resumed = quantize(recipe)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming after block 2/4" in resumed.stderr and "block 3/4" in resumed.stderr
+    assert safetensors_bytes(tmp_path / "out" / "gptq") == safetensors_bytes(tmp_path / "whole" / "gptq")
+
+
+def test_an_error_in_a_block_keeps_the_checkpoint_written_before_it(four_layers, tmp_path):
+    """Block 2 fails while block 1's files are still pending in the background: they are named in state.json before
+    the run ends with its one-line error, so the rerun redoes only block 2 on."""
+    whole = write_recipe(tmp_path / "whole.yaml", four_layers, tmp_path / "whole", STAGES["gptq"], ("gptq",))
+    assert quantize(whole).returncode == 0
+    recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", STAGES["gptq"], ("gptq",))
+    fail = textwrap.dedent("""
+        from quantkit.errors import QuantkitError
+        from quantkit.quantize import pipeline
+        check = pipeline._check_finite
+        def failing(hidden, where):
+            if where.endswith(".2"):
+                raise QuantkitError("calibration: non-finite activations " + where + " (injected)")
+            check(hidden, where)
+        pipeline._check_finite = failing
+    """)
+    failed = quantize(recipe, prelude=fail)
+    assert failed.returncode == 2  # the CLI's code for a QuantkitError
+    assert failed.stderr.strip().splitlines()[-1] == \
+        "error: calibration: non-finite activations after model.layers.2 (injected)"
+    state = next((tmp_path / "out" / FOLDER).glob("*/state.json"))
+    assert json.loads(state.read_text())["done"] == 1
+    resumed = quantize(recipe)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after block 2/4" in resumed.stderr and "block 2/4" not in resumed.stderr.replace(
+        "resuming after block 2/4", "")
     assert safetensors_bytes(tmp_path / "out" / "gptq") == safetensors_bytes(tmp_path / "whole" / "gptq")
 
 

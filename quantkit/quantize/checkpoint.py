@@ -138,6 +138,16 @@ class BlockCheckpoints:
             old.unlink(missing_ok=True)
         return i
 
+    def salvage(self) -> None:
+        """After an error in a later block: a save whose files are complete still counts, so the rerun resumes after
+        it. One process only: under several, the other ranks may never reach flush()'s barriers."""
+        if self._pending is None or self.ranks.active:
+            return
+        try:
+            self.flush()
+        except QuantkitError:
+            pass  # those files are incomplete; the error that ended the run is the one to report
+
     def restore(self, blocks: nn.ModuleList, put, qweights: dict, hidden: Activations) -> tuple[dict, dict]:
         """Hands blocks 0..done to put(i, block, state, block_qweights) one at a time, after adding the block's
         quantized weights to `qweights`, and loads the hidden states entering block done+1 into `hidden`; returns

@@ -270,6 +270,10 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
         )
         _blocks(model, blocks, stage, passes, device, prefix, targets, result, report, checkpoints, source, ranks,
                 moe_args, hidden, calls, micro)
+    except BaseException:
+        if checkpoints is not None:
+            checkpoints.salvage()
+        raise
     finally:
         hidden.close()
 
