@@ -195,7 +195,7 @@ def test_stream_needs_a_safetensors_folder(tmp_path, monkeypatch, capsys):
 def test_streamed_peak_host_memory_stays_within_the_plan(tmp_path):
     """A 24-block, ~230 MB float32 checkpoint: the streamed run's peak resident memory above its start stays under
     the plan's bound (one block, the solver's buffers, a shard and a fixed allowance), and the in-memory run of the
-    same recipe goes well past that bound."""
+    same recipe goes well past that bound, within its own plan."""
     ckpt = sharded_checkpoint(tmp_path / "ckpt", tied=False, layers=24, hidden=512, shard="64MB")
     growth, plans = {}, {}
     for load in ("stream", "memory"):
@@ -208,7 +208,7 @@ def test_streamed_peak_host_memory_stays_within_the_plan(tmp_path):
     weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     assert plans["stream"] < weights * 0.6 and plans["stream"] < plans["memory"] / 2, (plans, weights)
     assert growth["stream"] <= plans["stream"], (growth, plans)
-    assert growth["memory"] > 1.5 * plans["stream"], (growth, plans)
+    assert plans["stream"] * 1.5 < growth["memory"] <= plans["memory"], (growth, plans)
     with safe_open(str(next(ckpt.glob("model-*.safetensors"))), "pt") as f:
         assert f.keys()  # the checkpoint really is safetensors shards
 

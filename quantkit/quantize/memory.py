@@ -3,8 +3,12 @@ against what is free: a run that cannot fit stops at once with one line naming t
 being OOM-killed an hour in.
 
 The parts (bytes on top of the process as it starts):
-  weights        in memory: the whole model in the compute dtype, plus the codes of every quantized weight;
+  weights        in memory: the whole model in the compute dtype, the pages of its weight files (transformers
+                 maps safetensors and GGUF files and keeps them mapped; the pages a run touches stay resident),
+                 plus the codes of every quantized weight;
                  streamed: the largest block plus the largest module outside the blocks, plus one block's codes
+  load           in memory, from GGUF: what loading holds beyond the run's other parts (each tensor's float32
+                 dequantization temporaries), when that is more
   hidden_states  the hidden states entering and leaving a block (num_samples x seq_len x hidden): on the device,
                  in host memory or on disk (calibration.offload; disk: host memory holds the batch in transit)
   activations    the block's largest intermediate tensors during the forward of one batch of windows (the MLP's
@@ -33,6 +37,7 @@ from torch import nn
 from ..algorithms.gptq import Hessian
 from ..algorithms.grid import STEP
 from ..errors import QuantkitError
+from ..model import resolve_model_path
 from ..recipe import parse_size
 from .. import moe
 from . import microbatches
@@ -176,7 +181,8 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
 
     p = MemoryPlan(offload=offload.where, batch_size=offload.batch_size)
     on_device = device.type == "cuda"
-    weights = block_bytes + outer_bytes + block_codes if streamed else total_bytes + codes
+    files, gguf = (0, False) if streamed else _weight_files(recipe.model)
+    weights = block_bytes + outer_bytes + block_codes if streamed else total_bytes + (files or total_bytes) + codes
     if streamed and recipe.needs_calibration:  # the last block, held by its checkpoint's write while the next loads
         weights += block_bytes + block_codes
     p.host["weights"] = weights
@@ -247,7 +253,21 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     if on_device:
         p.device["block"] = block_bytes
         p.advice["block"] = "one block is this large: use a device with more memory"
+    if gguf:  # a tensor's float32 values, their copy and the cast (measured: 0.33 GiB over SmolLM2's 0.50 GiB)
+        largest = max(t.numel() for t in model.parameters())
+        p.host["load"] = max(0, total_bytes + files + 3 * 4 * largest + RUNTIME - p.host_total)
+        p.advice["load"] = p.advice["weights"]
     return p
+
+
+def _weight_files(spec: str) -> tuple[int | None, bool]:
+    """(bytes of the weight files a whole-model load maps, or None for a hub id; whether it is a GGUF file)."""
+    folder, gguf = resolve_model_path(spec)
+    if gguf:
+        return (Path(folder) / gguf).stat().st_size, True
+    if not Path(folder).is_dir():
+        return None, False
+    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.suffix in (".safetensors", ".bin")), False
 
 
 def _block_of(name: str) -> str:

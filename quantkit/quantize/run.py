@@ -136,9 +136,9 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     rss_start = rss_bytes()  # libraries imported, skeleton and calibration built: the rest is what the plan bounds
     reset_peak_rss()
     if streamed is None:
+        source = InMemory()
         with report.timed("load"):
-            loaded = load_model(recipe.model, recipe.dtype, tokenizer)
-        model, source = loaded.model, InMemory()
+            model = load_model(recipe.model, recipe.dtype, tokenizer).model
         names = moe.prepare(model)
         moe_blocks = moe.experts_of(model)
         if moe_blocks:
