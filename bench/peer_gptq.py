@@ -110,7 +110,7 @@ def worker_llmc(cfg: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     t_load = time.perf_counter() - t0
-    # W4A16 preset with group 64 instead of 128: int weights, symmetric, per-group minmax scales.
+    # W4A16 preset with group 64 instead of 128: int weights, symmetric unless --asym, per-group minmax scales.
     weights = {"num_bits": cfg["bits"], "type": "int", "symmetric": cfg["sym"],
                "strategy": "group", "group_size": cfg["group_size"]}
     actorder = None if cfg["llmc_actorder"] == "none" else cfg["llmc_actorder"]
@@ -318,7 +318,7 @@ def write_recipe(args, model_dir: Path) -> Path:
         "model": str(model_dir), "dtype": "float32", "device": "cpu",
         "calibration": {"dataset": str(args.calib_data), "num_samples": args.samples,
                         "seq_len": args.seq_len, "seed": args.seed},
-        "stages": [{"gptq": {"bits": args.bits, "group_size": args.group_size, "sym": True, "act_order": args.quantkit_act_order,
+        "stages": [{"gptq": {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym, "act_order": args.quantkit_act_order,
                              "damp": args.damp, "block_size": args.block_size, "ignore": ["lm_head"]}}],
         "export": {"output": str(args.out_dir / "quantkit"), "formats": ["compressed-tensors"]},
     }
@@ -350,7 +350,7 @@ def quantize_tool(tool: str, args, env, model_dir: Path, calib: Path, calib_sha:
     info_path.unlink(missing_ok=True)
     cfg = {"model": str(model_dir), "calib": str(calib), "out": str(out), "info": str(info_path),
            "samples": args.samples, "seq_len": args.seq_len, "bits": args.bits, "group_size": args.group_size,
-           "sym": True, "damp": args.damp, "block_size": args.block_size, "llmc_actorder": args.llmc_actorder,
+           "sym": not args.asym, "damp": args.damp, "block_size": args.block_size, "llmc_actorder": args.llmc_actorder,
            "gptqmodel_match": args.gptqmodel_match, "gptqmodel_dtype": args.gptqmodel_dtype}
     cfg_path = logs / f"{tool}.json"
     cfg_path.write_text(json.dumps(cfg, indent=2))
@@ -436,6 +436,7 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--asym", action="store_true", help="asymmetric grids (zero points) for every tool")
     p.add_argument("--damp", type=float, default=0.01, help="llm-compressor dampening_frac, quantkit damp")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
