@@ -39,6 +39,8 @@ def _quality(ev: dict | None) -> list[str]:
     engine = ev.get("engine") or {"name": "quantkit"}
     where = (f"Measured in vLLM {engine.get('version')} ({ev.get('dtype')}; the original in quantkit's runtime). "
              if engine["name"] == "vllm" else "Measured in quantkit's runtime. ")
+    if engine.get("warning"):
+        where = f"**Warning:** {engine['warning']}. " + where
     lines = [where + f"Every domain's text in windows of {ev.get('seq_len')} tokens; KLD against the original's full "
              f"next-token distributions (top-{ev.get('top_k', '?')} + rest). `self` is text the original wrote.", "",
              "| domain | tokens | perplexity | original | KLD mean ± stderr | KLD p99 | same top-1 |",

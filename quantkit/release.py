@@ -160,15 +160,25 @@ class Release:
 
         return self._step("bench", key, lambda r: True, run)
 
+    def _check_vllm_serves(self, field: str) -> None:
+        """vLLM's environment exists, and its build has kernels for the recipe's scheme on this machine."""
+        from .engines.vllm import NO_WNA16, VllmEngine, interpreter
+
+        python = interpreter(None, f"{field}: vllm")
+        args = self.recipe.stage.args
+        if args.type == "int" and args.activations is None:
+            with VllmEngine(python) as engine:
+                if not engine.has_wna16():
+                    raise QuantkitError(f"{field}: vllm: {NO_WNA16}")
+
     def run(self) -> dict:
         start = time.perf_counter()
         r = self.recipe.release
-        for field, engine in (("release.eval.engine", r.eval.engine),
-                              ("release.bench.engine", r.bench.engine if r.bench.enabled else None)):
-            if engine == "vllm":  # before minutes of quantizing
-                from .engines.vllm import interpreter
-
-                interpreter(None, f"{field}: vllm")
+        in_vllm = [field for field, engine in (("release.eval.engine", r.eval.engine),
+                                               ("release.bench.engine", r.bench.engine if r.bench.enabled else None))
+                   if engine == "vllm"]
+        if in_vllm:  # before minutes of quantizing
+            self._check_vllm_serves(in_vllm[0])
         quantized = self.quantize()
         ev = self.evaluate()
         bench = self.bench()

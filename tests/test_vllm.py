@@ -22,7 +22,8 @@ import pytest
 from conftest import write_recipe
 from tiny_models import SERVABLE_EXTRA, make_servable_model
 
-from quantkit.engines.vllm import VllmEngine
+from quantkit.engines.vllm import INT8_INEXACT, NO_WNA16, VllmEngine, weight_only_int
+from quantkit.eval.report import markdown as eval_markdown
 from quantkit.errors import QuantkitError
 from quantkit.eval.runner import EvalOptions, evaluate
 from quantkit.progress import Reporter
@@ -70,12 +71,18 @@ def against_quantkit(artifact: Path, engine: VllmEngine, cache: Path, generation
     o = dict(base=str(artifact), datasets=[str(text)], seq_len=128, max_tokens=2048, dtype="float32",
              cache_dir=str(cache), generation=generation, gen_tokens=64, batch_size=16) | kw
     # the base (here the artifact itself) always runs in quantkit's runtime, in float32; the model in vLLM
-    try:
-        return evaluate(str(artifact), EvalOptions(**o, engine="vllm"), Reporter(quiet=True), engine=engine)
-    except QuantkitError as err:
-        if "cpu_gemm_wna16" in str(err):  # vLLM's CPU build has its W4A16 kernel only in its AVX-512 extension
-            pytest.skip("vLLM's CPU build has no W4A16 kernel on this CPU (AVX2 only: _C_AVX2 lacks cpu_gemm_wna16)")
-        raise
+    return evaluate(str(artifact), EvalOptions(**o, engine="vllm"), Reporter(quiet=True), engine=engine)
+
+
+def refused_for_its_kernel(artifact: Path, engine: VllmEngine, cache: Path) -> bool:
+    """On a CPU whose vLLM build lacks the weight-only kernel (AVX2), a weight-only integer artifact is refused
+    before it loads, in one line; then True."""
+    if engine.has_wna16() or not weight_only_int(json.loads((artifact / "config.json").read_text())):
+        return False
+    with pytest.raises(QuantkitError) as err:
+        against_quantkit(artifact, engine, cache)
+    assert str(err.value) == f"vllm: cannot serve {artifact}: {NO_WNA16}"
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +94,19 @@ def engine():
 
 
 @pytest.fixture(scope="module")
+def served(engine) -> tuple[str, str]:
+    """The scheme this machine's vLLM serves, for the tests that need one served: compressed-tensors W4A16 by RTN,
+    or FP8 W8A8 on a CPU whose vLLM build has no weight-only kernel."""
+    return ("rtn: {bits: 4, group_size: 64, sym: true}" if engine.has_wna16() else FORMATS["fp8"][0],
+            "compressed-tensors")
+
+
+@pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     return make_servable_model(tmp_path_factory.mktemp("servable") / "llama", "llama")
 
 
-def check_agreement(body: dict, generation: bool = True) -> None:
+def check_agreement(body: dict, generation: bool = True, kld: float = 2e-3, same_top: float = 0.85) -> None:
     """vLLM against quantkit on the same artifact. Measured on the tiny llama (tests' tokenizer, 16 x 128 tokens):
     perplexity within 0.01 %, KLD < 1e-6 for the weight-only formats, 1.2e-4 (W8A8, bfloat16) and 5e-4 (FP8,
     float16), whose activations are rounded to 8 bits from a different dtype; same top 0.91 .. 0.9995; greedy
@@ -100,8 +115,8 @@ def check_agreement(body: dict, generation: bool = True) -> None:
     assert body["engine"]["name"] == "vllm" and body["engine"]["version"]
     ratio = body["ppl"]["model"] / body["ppl"]["base"]
     assert abs(ratio - 1) < 0.01, body["ppl"]
-    assert body["kld"]["mean"] < 2e-3, body["kld"]
-    assert body["same_top"] > 0.85, body["same_top"]
+    assert body["kld"]["mean"] < kld, body["kld"]
+    assert body["same_top"] > same_top, body["same_top"]
     if generation:
         assert body["generation"]["token_agreement"] >= 0.9, body["generation"]["per_prompt"]
 
@@ -112,34 +127,41 @@ def check_agreement(body: dict, generation: bool = True) -> None:
 def test_vllm_serves_every_format_like_quantkit(name, llama, engine, tmp_path):
     stage, fmt = FORMATS[name]
     artifact = quantize(llama, tmp_path / name, stage, fmt)
+    if refused_for_its_kernel(artifact, engine, tmp_path / "cache"):
+        return
     if name in REFUSED:
         with pytest.raises(QuantkitError) as err:
             against_quantkit(artifact, engine, tmp_path / "cache")
         assert str(err.value) == f"vllm: vLLM refused {artifact}: {REFUSED[name]}"
         return
     body = against_quantkit(artifact, engine, tmp_path / "cache")
-    check_agreement(body, generation=name not in ("w8a8-int8", "fp8"))
+    inexact = name == "w8a8-int8" and engine.kernels().get("int8_exact") is False
+    # where vLLM's int8 GEMM saturates (an AVX2 EPYC): KLD 2.5e-3 and same top 0.78
+    check_agreement(body, generation=name not in ("w8a8-int8", "fp8"), **(dict(kld=1e-2, same_top=0.7) if inexact
+                                                                          else {}))
+    assert body["engine"].get("warning") == (INT8_INEXACT if inexact else None)
+    assert (f"**Warning** ({artifact.parent.name}/{artifact.name}): {INT8_INEXACT}." in eval_markdown([body])) == inexact
     assert body["dtype"] == ("bfloat16" if name == "w8a8-int8" else "float16")
 
 
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", DENSE)
-def test_vllm_serves_every_dense_family(arch, engine, tmp_path):
-    """compressed-tensors W4A16 by RTN: the format's writer is what vLLM reads, whichever method chose the codes
-    (the other formats are served on llama above; the tensor names per family are the same in every format)."""
+def test_vllm_serves_every_dense_family(arch, engine, served, tmp_path):
+    """compressed-tensors by RTN: the format's writer is what vLLM reads, whichever method chose the codes (the
+    other formats are served on llama above; the tensor names per family are the same in every format)."""
     model = make_servable_model(tmp_path / arch, arch)
-    stage, fmt = "rtn: {bits: 4, group_size: 64, sym: true}", "compressed-tensors"
-    check_agreement(against_quantkit(quantize(model, tmp_path / "w4a16", stage, fmt), engine, tmp_path / "cache",
-                                     generation=False), generation=False)
+    # FP8 activations rounded from float16 in vLLM, from float32 in quantkit: same top 0.84 (granite) .. 0.99
+    body = against_quantkit(quantize(model, tmp_path / "q", *served), engine, tmp_path / "cache", generation=False)
+    check_agreement(body, generation=False, same_top=0.85 if "bits: 4" in served[0] else 0.8)
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_an_moe_artifact_is_served_or_refused_by_name(engine, tmp_path):
+def test_an_moe_artifact_is_served_or_refused_by_name(engine, served, tmp_path):
     """vLLM's CPU MoE kernels need AMX: without it vLLM refuses the artifact, and the error says why in one line."""
     model = make_servable_model(tmp_path / "qwen3_moe", "qwen3_moe")
-    artifact = quantize(model, tmp_path / "w4a16", FORMATS["ct-w4a16-sym"][0], "compressed-tensors")
+    artifact = quantize(model, tmp_path / "q", *served)
     amx = subprocess.run([PYTHON, "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
                          capture_output=True, text=True).stdout.strip() == "True"
     if amx:
@@ -149,9 +171,10 @@ def test_an_moe_artifact_is_served_or_refused_by_name(engine, tmp_path):
         against_quantkit(artifact, engine, tmp_path / "cache", generation=False)
     line = str(err.value)
     assert line.startswith(f"vllm: vLLM refused {artifact}: ") and "\n" not in line
-    assert "MoE backend supports the deployment configuration" in line, line
+    # W4A16: "no MoE backend supports the deployment configuration"; FP8: "Unsupported FP8 MoE backend: NONE"
+    assert "MoE backend" in line, line
     # the worker survives a refusal and serves the next model
-    dense = quantize(make_servable_model(tmp_path / "llama", "llama"), tmp_path / "ok", *FORMATS["gptq-sym"])
+    dense = quantize(make_servable_model(tmp_path / "llama", "llama"), tmp_path / "ok", *served)
     check_agreement(against_quantkit(dense, engine, tmp_path / "cache", generation=False), generation=False)
 
 
@@ -161,6 +184,10 @@ TASK_DOCS = 40
 @needs_vllm
 @pytest.mark.slow
 def test_smollm2_in_vllm_matches_quantkit(smollm2_hf, tmp_path, engine):
+    if not engine.has_wna16():
+        # FP8 W8A8 instead, measured on an AVX2 EPYC: KLD 0.015 and tokens 0.31 against quantkit's float32 runtime,
+        # activations rounded from float16 in vLLM: the size of FP8's own error, too loose to check vLLM's reading
+        pytest.skip("a real-model comparison needs a weight-only format, which vLLM's CPU build serves with AVX-512")
     artifact = quantize(smollm2_hf, tmp_path / "rtn", "rtn: {bits: 4, group_size: 64, sym: true}", "compressed-tensors")
     body = against_quantkit(artifact, engine, tmp_path / "cache", datasets=["wikitext2"], seq_len=2048,
                             max_tokens=4096, tasks=["lambada_openai", "arc_easy"], limit=TASK_DOCS)
@@ -176,17 +203,15 @@ def test_smollm2_in_vllm_matches_quantkit(smollm2_hf, tmp_path, engine):
     for task, metric in (("lambada_openai", "acc"), ("arc_easy", "acc"), ("arc_easy", "acc_norm")):
         # one document of TASK_DOCS may flip on a float16 near-tie
         assert abs(tasks[task]["model"][metric] - tasks[task]["base"][metric]) <= 1 / TASK_DOCS + 1e-9, tasks
-    from quantkit.eval.report import markdown
-
-    assert "model type vllm." in markdown([body]) and "| arc_easy | acc_norm |" in markdown([body])
+    assert "model type vllm." in eval_markdown([body]) and "| arc_easy | acc_norm |" in eval_markdown([body])
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_bench_in_vllm_measures_what_a_server_user_sees(llama, tmp_path):
+def test_bench_in_vllm_measures_what_a_server_user_sees(llama, served, tmp_path):
     from quantkit.bench.serving import ServingOptions, markdown, run_serving_bench
 
-    artifact = quantize(llama, tmp_path / "w4a16", *FORMATS["ct-w4a16-sym"])
+    artifact = quantize(llama, tmp_path / "q", *served)
     o = ServingOptions(baseline=str(llama), concurrency=(1, 4), prompt_len=32, gen_len=8, reps=2, vllm_python=PYTHON)
     body = run_serving_bench([str(artifact)], o, Reporter(quiet=True))
     assert [(r["name"], r["concurrency"]) for r in body["runs"]] == [("model", 1), ("model", 4), ("base", 1),
@@ -197,38 +222,45 @@ def test_bench_in_vllm_measures_what_a_server_user_sees(llama, tmp_path):
         assert r["output_tok_s"] == pytest.approx(r["concurrency"] * 8 / r["wall_s"])
         assert r["kv_capacity_sequences"] == r["kv_capacity_tokens"] // 40 > 0
     ratio = body["ratios"][0]
-    assert ratio["concurrency"] == 1 and ratio["weight_bytes_ratio"] < 0.35  # 4-bit; the embeddings stay float16
+    # 4 or 8 bits; the embeddings stay float16
+    assert ratio["concurrency"] == 1 and ratio["weight_bytes_ratio"] < (0.35 if "bits: 4" in served[0] else 0.6)
     assert ratio["throughput_speedup"] == pytest.approx(body["runs"][0]["output_tok_s"] /
                                                         body["runs"][2]["output_tok_s"])
-    assert "| model `w4a16/compressed-tensors` | float16 | 4 |" in markdown(body)
+    assert "| model `q/compressed-tensors` | float16 | 4 |" in markdown(body)
 
 
 VLLM_RELEASE = ("release: {eval: {datasets: [%s], seq_len: 128, max_tokens: 1024, engine: vllm}, "
                 "bench: {batches: [1, 4], prompt_len: 32, gen_len: 8, reps: 1, engine: vllm}}\n"
-                "gates: {ppl_increase_pct: 50, kld_mean_max: 1.0, weight_bytes_ratio_max: 0.5, decode_speedup_min: 0.01}")
+                "gates: {ppl_increase_pct: 50, kld_mean_max: 1.0, weight_bytes_ratio_max: 0.6, decode_speedup_min: 0.01}")
 
 
-def release_recipe(model: Path, tmp_path: Path) -> Path:
+def release_recipe(model: Path, tmp_path: Path, stage: str = "gptq: " + W4 % ("true", "false")) -> Path:
     text = tmp_path / "wiki-test-head.txt"
     text.write_text((REPO / "evals" / "data" / "wikitext-2-raw" / "wiki.test.raw").read_text()[:40000])
-    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", "gptq: " + W4 % ("true", "false"),
-                          ("compressed-tensors",), extra=", dtype: float16")
+    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", stage, ("compressed-tensors",),
+                          extra=", dtype: float16")
     recipe.write_text(recipe.read_text() + VLLM_RELEASE % text)
     return recipe
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_release_measures_and_gates_inside_vllm(llama, tmp_path, monkeypatch):
+def test_release_measures_and_gates_inside_vllm(llama, engine, served, tmp_path, monkeypatch, capsys):
     from conftest import run_cli
 
     monkeypatch.setenv("QUANTKIT_VLLM_PYTHON", PYTHON)
-    assert run_cli(monkeypatch, "release", release_recipe(llama, tmp_path), "--quiet") == 0
+    if not engine.has_wna16():  # a W4A16 release stops before quantizing, in one line
+        (tmp_path / "w4").mkdir()
+        assert run_cli(monkeypatch, "release", release_recipe(llama, tmp_path / "w4"), "--quiet") == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: release.eval.engine: vllm: {NO_WNA16}"
+        assert not (tmp_path / "w4" / "out").exists()
+    assert run_cli(monkeypatch, "release", release_recipe(llama, tmp_path, served[0]), "--quiet") == 0
     report = json.loads((tmp_path / "out" / "release" / "report.json").read_text())
     assert report["eval"]["engine"]["name"] == "vllm" and report["bench"]["engine"]["name"] == "vllm"
     measured = {r["name"]: r["measured"] for r in report["gates"]["results"]}
     assert measured["decode_speedup_min"] == report["bench"]["ratios"][0]["decode_speedup"]
-    assert measured["weight_bytes_ratio_max"] == report["bench"]["ratios"][0]["weight_bytes_ratio"] < 0.35
+    assert measured["weight_bytes_ratio_max"] == report["bench"]["ratios"][0]["weight_bytes_ratio"] < (
+        0.35 if "bits: 4" in served[0] else 0.6)
     card = (tmp_path / "out" / "compressed-tensors" / "README.md").read_text()
     assert f"Measured in vLLM {report['eval']['engine']['version']} (float16" in card
     assert f"Reproduce: `vllm serve {tmp_path / 'out' / 'compressed-tensors'} --dtype float16 --max-model-len 40`" \

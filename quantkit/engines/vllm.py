@@ -51,14 +51,37 @@ def served_config(path: str, what: str) -> dict:
 NO_FLOAT16 = {"gemma2", "gemma3", "gemma3_text", "glm4"}
 
 
+def int8_activations(config: dict) -> bool:
+    """Whether config.json's quantized Linears take int8 inputs (W8A8 int8)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups", {})
+    acts = [g.get("input_activations") for g in groups.values() if isinstance(g, dict)]
+    return any(a and a.get("type") == "int" for a in acts)
+
+
 def serving_dtype(config: dict) -> str:
     """The dtype vLLM's CPU kernels serve a model's config.json in: W4A16 in float16 (vLLM refuses float32 for
     it, and bfloat16 drifts); W8A8 int8 in bfloat16, as its int8 GEMM has no float16 path; float16 elsewhere,
     except the families vLLM refuses float16 for."""
-    groups = (config.get("quantization_config") or {}).get("config_groups", {})
-    acts = [g.get("input_activations") for g in groups.values() if isinstance(g, dict)]
-    int8 = any(a and a.get("type") == "int" for a in acts)
-    return "bfloat16" if int8 or config.get("model_type") in NO_FLOAT16 else "float16"
+    return "bfloat16" if int8_activations(config) or config.get("model_type") in NO_FLOAT16 else "float16"
+
+
+# vLLM's x86 CPU wheel has three kernel libraries; only the AVX-512 ones hold cpu_gemm_wna16 (platforms/cpu.py)
+NO_WNA16 = ("vLLM's CPU build has no kernel for weight-only integer formats (gptq, awq, compressed-tensors W4A16) "
+            "on this CPU: cpu_gemm_wna16 is only in its AVX-512 extensions, and this CPU has AVX2")
+
+# measured: a 64-long dot product of 127s gives 8160 instead of 1 032 256 on an AVX2 EPYC (workers/vllm_serve.py)
+INT8_INEXACT = ("vLLM's int8 GEMM on this CPU (oneDNN without VNNI) sums pairs of int8 products in int16, which "
+                "saturates: these W8A8 measurements are this machine's, worse than on a server with VNNI or a GPU")
+
+
+def weight_only_int(config: dict) -> bool:
+    """Whether vLLM's CPU build runs config.json's quantized Linears with cpu_gemm_wna16: gptq, awq, and
+    compressed-tensors groups of integer weights whose inputs stay unquantized."""
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") in ("gptq", "awq"):
+        return True
+    return any(isinstance(g, dict) and (g.get("weights") or {}).get("type") == "int" and not g.get("input_activations")
+               for g in qc.get("config_groups", {}).values())
 
 
 class VllmEngine:
@@ -69,6 +92,7 @@ class VllmEngine:
         self.python = python
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
+        self._kernels: dict = {}
 
     def __enter__(self) -> "VllmEngine":
         self.start()
@@ -88,10 +112,29 @@ class VllmEngine:
     def load(self, model: str, dtype: str, max_model_len: int, max_logprobs: int = 20,
              max_num_seqs: int = 16) -> dict:
         """Serves `model` (a folder) from now on; returns vLLM's version, its quantization method and dtype."""
+        config = Path(model) / "config.json"
+        if config.is_file() and weight_only_int(json.loads(config.read_text())) and not self.has_wna16():
+            raise QuantkitError(f"vllm: cannot serve {model}: {NO_WNA16}")
         self.info = self._call({"op": "load", "model": str(Path(model).resolve()), "dtype": dtype,
                                 "max_model_len": max_model_len, "max_logprobs": max_logprobs,
                                 "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
         return self.info
+
+    def kernels(self) -> dict:
+        """vLLM's device type and, on a CPU, what its kernels can do here (workers/vllm_serve.py `kernels`)."""
+        if not self._kernels:
+            self._kernels = {k: v for k, v in self._call({"op": "kernels"}, "kernels").items() if k != "ok"}
+        return self._kernels
+
+    def has_wna16(self) -> bool:
+        """Whether this machine's vLLM build can serve weight-only integer formats (always, off the CPU)."""
+        return self.kernels()["device"] != "cpu" or self.kernels()["wna16"]
+
+    def int8_warning(self, config: dict) -> str | None:
+        """A warning for a W8A8 int8 model's measurements where vLLM's int8 GEMM is not exact on this CPU."""
+        if int8_activations(config) and self.kernels().get("int8_exact") is False:
+            return INT8_INEXACT
+        return None
 
     def close(self, wait_s: float = 30) -> None:
         """Ends the worker: stdin closed, `wait_s` for it to leave, then its whole session is killed."""

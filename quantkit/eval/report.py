@@ -81,6 +81,8 @@ def markdown(bodies: list[dict]) -> str:
              f"Data: {', '.join(domains)}; windows of {first['seq_len']} tokens ({counts}); device {first['device']}; "
              f"base top-k {first.get('top_k', '—')}. The first table is {next(iter(domains))}.",
              "", comparison_table(bodies), ""]
+    parts += [f"**Warning** ({_name(b)}): {b['engine']['warning']}.\n" for b in bodies
+              if (b.get("engine") or {}).get("warning")]
     if len(domains) > 1:
         parts += ["## Per domain", "", domain_table(bodies), ""]
     for b in bodies:

@@ -4,7 +4,7 @@ driver keeps as the worker's log. Only the standard library, torch and vllm are 
 eval/lm_eval_tasks.py loaded by its path, for tasks): this file runs under the vLLM venv's interpreter, where
 quantkit is not installed.
 
-Requests: {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs"}, {"op":
+Requests: {"op": "kernels"}, {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs"}, {"op":
 "prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens", "ignore_eos"},
 {"op": "bench", "concurrency": [n], "prompt_len", "gen_len", "reps"}, {"op": "tasks", "model", "dtype",
 "max_model_len", "batch_size", "tasks", "limit", "num_fewshot", "task_module", "data"}. A reply is {"ok": true, ...} or
@@ -43,6 +43,26 @@ def load(state: dict, req: dict) -> dict:
                        seed=0)
     config = state["llm"].llm_engine.model_config
     return {"vllm": vllm.__version__, "quantization": config.quantization, "dtype": str(config.dtype)}
+
+
+def kernels(state: dict, req: dict) -> dict:
+    """vLLM's platform; on a CPU, whether the kernel library it loads has the weight-only kernel, and whether its
+    int8 GEMM (oneDNN) is exact: without VNNI, oneDNN sums pairs of u8 x s8 products in int16, which saturates."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    out = {"device": current_platform.device_type, "wna16": hasattr(torch.ops._C, "cpu_gemm_wna16")}
+    if hasattr(torch.ops._C, "onednn_scaled_mm"):
+        from vllm import _custom_ops as ops
+
+        k = 64  # 127 x 127 everywhere: the exact sum is k * 127^2 (float32 holds it)
+        w, w_scale, x_scale = torch.full((k, k), 127, dtype=torch.int8).t(), torch.ones(1, k), torch.ones(1, 1)
+        handler = ops.create_onednn_scaled_mm(w, w_scale, torch.float32, True, False, 1)  # keeps pointers to these
+        y = torch.zeros(1, k)
+        ops.onednn_scaled_mm(handler, torch.full((1, k), 127, dtype=torch.int8), y, x_scale, None, None, None)
+        out["int8_exact"] = bool((y == k * 127 * 127).all())
+    return out
 
 
 def prompt_logprobs(state: dict, req: dict) -> dict:
@@ -182,7 +202,7 @@ def bench(state: dict, req: dict) -> dict:
     return {"runs": runs, "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
 
 
-OPS = {"load": load, "prompt_logprobs": prompt_logprobs, "generate": generate, "bench": bench, "tasks": tasks}
+OPS = {"kernels": kernels, "load": load, "prompt_logprobs": prompt_logprobs, "generate": generate, "bench": bench, "tasks": tasks}
 
 
 def main() -> None:
