@@ -346,3 +346,16 @@ def test_a_crashed_worker_is_one_line_and_leaves_no_process(tiny_factory, tmp_pa
     pid = int((tmp_path / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_which_artifacts_need_the_weight_only_kernel(tiny_factory, tmp_path):
+    """What the engine refuses on a CPU without cpu_gemm_wna16, and warns about where int8 GEMMs saturate, read
+    from the config.json quantkit writes for each format."""
+    from quantkit.engines.vllm import int8_activations
+
+    model = tiny_factory("llama")
+    needs = {}
+    for name, (stage, fmt) in FORMATS.items():
+        config = json.loads((quantize(model, tmp_path / name, stage, fmt) / "config.json").read_text())
+        needs[name] = (weight_only_int(config), int8_activations(config))
+    assert needs == {name: (name not in ("w8a8-int8", "fp8"), name == "w8a8-int8") for name in FORMATS}
