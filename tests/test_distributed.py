@@ -128,14 +128,22 @@ KILL_RANK_1 = """
 """
 
 
+@pytest.fixture(scope="module")
+def two_rank_gptq(four_layers, tmp_path_factory) -> Path:
+    """An uninterrupted 2-rank GPTQ artifact of four_layers, which every resumed run must equal byte for byte."""
+    tmp = tmp_path_factory.mktemp("whole")
+    assert quantkit("quantize", write_recipe(tmp / "whole.yaml", four_layers, tmp / "whole", GPTQ, ("gptq",),
+                                             samples=16), "--nproc", 2).returncode == 0
+    return tmp / "whole" / "gptq"
+
+
 @pytest.mark.parametrize("what,action,line", [
     ("die", "os.kill(os.getpid(), signal.SIGKILL)", "error: rank 1: died"),
     ("fail", "from quantkit.errors import QuantkitError; raise QuantkitError('calibration: injected failure')",
      "error: rank 1: calibration: injected failure"),
 ])
-def test_a_failing_rank_ends_the_run_with_its_line_and_the_run_resumes(four_layers, tmp_path, what, action, line):
-    whole = write_recipe(tmp_path / "whole.yaml", four_layers, tmp_path / "whole", GPTQ, ("gptq",), samples=16)
-    assert quantkit("quantize", whole, "--nproc", 2).returncode == 0
+def test_a_failing_rank_ends_the_run_with_its_line_and_the_run_resumes(four_layers, two_rank_gptq, tmp_path, what,
+                                                                       action, line):
     recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", GPTQ, ("gptq",), samples=16)
     failed = quantkit("quantize", recipe, "--nproc", 2, hook=KILL_RANK_1.format(what=what, action=action),
                       cwd=tmp_path)
@@ -148,7 +156,7 @@ def test_a_failing_rank_ends_the_run_with_its_line_and_the_run_resumes(four_laye
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming after block 2/4" in resumed.stderr
     for f in ("model.safetensors", "config.json"):  # the resumed run is the uninterrupted one, byte for byte
-        assert (tmp_path / "out" / "gptq" / f).read_bytes() == (tmp_path / "whole" / "gptq" / f).read_bytes()
+        assert (tmp_path / "out" / "gptq" / f).read_bytes() == (two_rank_gptq / f).read_bytes()
 
 
 W8A8 = ("gptq: {bits: 8, group_size: -1, sym: true, "
