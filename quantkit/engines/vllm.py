@@ -111,13 +111,17 @@ class VllmEngine:
 
     def load(self, model: str, dtype: str, max_model_len: int, max_logprobs: int = 20,
              max_num_seqs: int = 16) -> dict:
-        """Serves `model` (a folder) from now on; returns vLLM's version, its quantization method and dtype."""
-        config = Path(model) / "config.json"
-        if config.is_file() and weight_only_int(json.loads(config.read_text())) and not self.has_wna16():
+        """Serves `model` (a folder) from now on; returns vLLM's version, its quantization method and dtype, and a
+        `warning` where this CPU's kernels make the measurements worse than a server's."""
+        path = Path(model) / "config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if weight_only_int(config) and not self.has_wna16():
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_WNA16}")
         self.info = self._call({"op": "load", "model": str(Path(model).resolve()), "dtype": dtype,
                                 "max_model_len": max_model_len, "max_logprobs": max_logprobs,
                                 "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
+        if int8_activations(config) and self.kernels().get("int8_exact") is False:
+            self.info["warning"] = INT8_INEXACT
         return self.info
 
     def kernels(self) -> dict:
@@ -129,12 +133,6 @@ class VllmEngine:
     def has_wna16(self) -> bool:
         """Whether this machine's vLLM build can serve weight-only integer formats (always, off the CPU)."""
         return self.kernels()["device"] != "cpu" or self.kernels()["wna16"]
-
-    def int8_warning(self, config: dict) -> str | None:
-        """A warning for a W8A8 int8 model's measurements where vLLM's int8 GEMM is not exact on this CPU."""
-        if int8_activations(config) and self.kernels().get("int8_exact") is False:
-            return INT8_INEXACT
-        return None
 
     def close(self, wait_s: float = 30) -> None:
         """Ends the worker: stdin closed, `wait_s` for it to leave, then its whole session is killed."""

@@ -257,7 +257,7 @@ def _vllm_measurements(model_path: str, o: EvalOptions, ids_of: dict[str, torch.
     """Perplexity (and with a base, KLD / same-top / delta p) from vLLM's prompt log-probs over exactly quantkit's
     windows of every domain; generation agreement from vLLM's greedy outputs; lm-eval tasks through lm-eval's vLLM
     model type. vLLM's dtype follows the format (serving_dtype)."""
-    from ..engines.vllm import VllmEngine, served_config
+    from ..engines.vllm import VllmEngine
 
     rendered = [tokenizer(generation.render(tokenizer, p), add_special_tokens=not tokenizer.chat_template)["input_ids"]
                 for p in prompts]
@@ -272,7 +272,7 @@ def _vllm_measurements(model_path: str, o: EvalOptions, ids_of: dict[str, torch.
             engine.load(model_path, dtype, max_len, max_logprobs=o.top_k)
         out["engine"] = {"name": "vllm", "version": engine.info["vllm"], "quantization": engine.info["quantization"],
                          "python": python}
-        warning = engine.int8_warning(served_config(model_path, "MODEL"))
+        warning = engine.info.get("warning")
         if warning:
             report.warn(warning)
             out["engine"]["warning"] = warning

@@ -202,7 +202,8 @@ def bench(state: dict, req: dict) -> dict:
     return {"runs": runs, "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
 
 
-OPS = {"kernels": kernels, "load": load, "prompt_logprobs": prompt_logprobs, "generate": generate, "bench": bench, "tasks": tasks}
+OPS = {"kernels": kernels, "load": load, "prompt_logprobs": prompt_logprobs, "generate": generate, "bench": bench,
+       "tasks": tasks}
 
 
 def main() -> None:
