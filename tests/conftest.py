@@ -1,3 +1,4 @@
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,3 +87,22 @@ def smollm2_hf(tmp_path_factory) -> Path:
     model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     return folder
+
+
+SMOLLM2_GPTQ = "gptq: {bits: 4, group_size: 64, sym: true, act_order: true}"
+
+
+def smollm2_gptq_recipe(path: Path, model: Path, output: Path) -> Path:
+    return write_recipe(path, model, output, SMOLLM2_GPTQ, ("gptq", "compressed-tensors"), samples=16, seq_len=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gptq(smollm2_hf, tmp_path_factory) -> Path:
+    """One process's GPTQ W4 g64 of SmolLM2 on 16 x 256 windows, in both formats: test_smollm2 ranks it against RTN,
+    and test_distributed's two ranks must write it byte for byte (so the 30-block solve runs once per session)."""
+    tmp = tmp_path_factory.mktemp("smollm2_gptq")
+    recipe = smollm2_gptq_recipe(tmp / "gptq.yaml", smollm2_hf, tmp / "out")
+    run = subprocess.run([sys.executable, "-m", "quantkit.cli", "quantize", str(recipe), "--quiet"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return tmp / "out"
