@@ -107,6 +107,7 @@ def test_two_ranks_on_smollm2_write_the_one_process_artifact(smollm2_hf, smollm2
     run = quantkit("quantize", smollm2_gptq_recipe(tmp_path / "2.yaml", smollm2_hf, tmp_path / "p2"), "--nproc", 2,
                    "--quiet")
     assert run.returncode == 0, run.stderr
+    assert agreement(smollm2_gptq / "gptq", tmp_path / "p2" / "gptq") == 1.0
     for fmt in ("gptq", "compressed-tensors"):
         assert (smollm2_gptq / fmt / "model.safetensors").read_bytes() == \
             (tmp_path / "p2" / fmt / "model.safetensors").read_bytes(), fmt
