@@ -3,6 +3,7 @@ compressed-tensors artifacts -> runtime, on tests/tiny_models.py's llama with ou
 
 import copy
 import json
+import re
 import shutil
 
 import pytest
@@ -119,12 +120,16 @@ def test_awq_folds_into_the_norms_and_beats_rtn_on_outlier_channels(artifacts, o
     assert err["awq-gptq"] < 0.65 * err["rtn"], err
 
 
-def test_awq_without_clipping_and_manifest(artifacts, outlier_llama, tmp_path, monkeypatch):
+def test_awq_without_clipping_and_manifest(artifacts, outlier_llama, tmp_path, monkeypatch, capsys):
     manifest = json.loads((artifacts / "awq" / "awq" / "quantkit.json").read_text())
     assert manifest["recipe"]["stages"][0]["awq"]["group_size"] == 32 and len(manifest["losses"]) == 14
     recipe = write_recipe(tmp_path / "r.yaml", outlier_llama, tmp_path / "o",
                           "awq: {group_size: 32, clip: false, zero_point: false}", formats=("awq",))
-    assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
+    assert run_cli(monkeypatch, "quantize", recipe) == 0
+    # progress: the block line's ETA is the remaining blocks at the pace so far (seconds here, not hours)
+    blocks = re.findall(r"^block (\d+)/(\d+) +([\d.]+) s +ETA (\d+):(\d\d)", capsys.readouterr().err, re.M)
+    assert [(b[0], b[1]) for b in blocks] == [("1", "2"), ("2", "2")], blocks
+    assert int(blocks[0][3]) * 60 + int(blocks[0][4]) < 60 and blocks[1][3:] == ("0", "00"), blocks
     qcfg = json.loads((tmp_path / "o" / "awq" / "config.json").read_text())["quantization_config"]
     assert qcfg["meta"]["sym"] is True
     assert read_awq_gemm(str(tmp_path / "o" / "awq"))["model.layers.0.mlp.down_proj"].shape == (64, 128)

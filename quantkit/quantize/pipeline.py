@@ -340,11 +340,11 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 handles = p.observe(i, block)
                 try:
                     for k in range(len(hidden)):
-                        start = hidden.rows[k].start
+                        row = hidden.rows[k].start
                         for part in microbatches.split(hidden.read(k), micro):
                             if hasattr(p, "batch"):  # AWQ keeps its samples by their window
-                                p.batch(slice(start, start + len(part)))
-                            start += len(part)
+                                p.batch(slice(row, row + len(part)))
+                            row += len(part)
                             run(part)  # float block: only the hooks' statistics matter
                 finally:
                     for handle in handles:
