@@ -138,6 +138,46 @@ def test_awq_without_clipping_and_manifest(artifacts, outlier_llama, tmp_path, m
         assert zeros.shape == (4, 8) and bool(((zeros.long() & 0xFFFFFFFF) == 0x88888888).all())
 
 
+
+def test_clip_sample_walks_through_the_positions(outlier_llama, monkeypatch):
+    """Block 0's v_proj reads input_layernorm(embeddings); its clip sample (after folding: x / s) must be every k-th
+    calibration token with k coprime to the window length, not one position of every window (AutoAWQ's stride, a
+    multiple of the window length here: the first token, the attention sink, of each)."""
+    from quantkit.algorithms import awq
+
+    seen = {"scales": [], "clip": {}}
+    search_scale, search_clip = awq.search_scale, awq.search_clip
+
+    def scale_spy(*args, **kwargs):
+        res = search_scale(*args, **kwargs)
+        seen["scales"].append(res.scale.clone())
+        return res
+
+    def clip_spy(weight, x, *args, **kwargs):
+        seen["clip"].setdefault(tuple(weight.shape), []).append(x.clone())
+        return search_clip(weight, x, *args, **kwargs)
+
+    monkeypatch.setattr(awq, "search_scale", scale_spy)
+    monkeypatch.setattr(awq, "search_clip", clip_spy)
+    monkeypatch.setattr("quantkit.quantize.transforms.CLIP_TOKENS", 16)  # of 16 x 32 tokens: AutoAWQ's k = 32
+    recipe = parse_recipe({
+        "model": str(outlier_llama), "dtype": "float32",
+        "calibration": {"dataset": "wikitext2", "num_samples": 16, "seq_len": 32, "seed": 0},
+        "stages": [{"awq": {"group_size": 32}}], "export": {"output": "o", "formats": ["awq"]}})
+    loaded = load_model(recipe.model, recipe.dtype)
+    calib = calibration.build(loaded.tokenizer, recipe.calibration)
+    with torch.no_grad():
+        model = loaded.model.eval()
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(calib.tokens))  # [16, 32, 64]
+    pipeline.quantize(model, recipe.stage, calib, torch.device("cpu"), recipe.export.formats,
+                      Reporter(quiet=True), recipe.transforms)
+    s, clip = seen["scales"][0], seen["clip"][(32, 64)][0]  # block 0: the q/k/v mapping's scale; v_proj (GQA)
+    index = torch.arange(0, 16 * 32, 31)[:16]  # k = 31, the largest below 32 coprime to it
+    torch.testing.assert_close(clip * s, x.reshape(-1, 64)[index], rtol=1e-5, atol=1e-6)
+    positions = (index % 32).tolist()
+    assert len(set(positions)) == 16 and positions.count(0) == 1, positions
+
+
 # ------------------------------------------------------------------------------------------- recipes
 BASE = {"model": "m", "calibration": {"dataset": "wikitext2"}, "export": {"output": "o", "formats": ["awq"]}}
 AWQ_ARGS = {"bits": 4, "group_size": 64, "zero_point": True}
