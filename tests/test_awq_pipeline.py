@@ -138,7 +138,6 @@ def test_awq_without_clipping_and_manifest(artifacts, outlier_llama, tmp_path, m
         assert zeros.shape == (4, 8) and bool(((zeros.long() & 0xFFFFFFFF) == 0x88888888).all())
 
 
-
 def test_clip_sample_walks_through_the_positions(outlier_llama, monkeypatch):
     """Block 0's v_proj reads input_layernorm(embeddings); its clip sample (after folding: x / s) must be every k-th
     calibration token with k coprime to the window length, not one position of every window (AutoAWQ's stride, a
