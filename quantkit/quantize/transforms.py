@@ -303,8 +303,8 @@ class AwqPass:
         # AutoAWQ's k (all tokens / 512) shares factors with the window length L in the usual shapes, and then
         # samples only positions that are multiples of gcd(k, L): in 128 x 512 windows 0, 128, 256, 384, a quarter
         # of them the first token, where the attention sink's massive activations sway every clip range; in
-        # 512 x 128 the first token alone (AWQ+GPTQ WikiText-2 KLD 0.236, against 0.106 with k coprime to L;
-        # BENCHMARKS.md, "AWQ+GPTQ across domains")
+        # 512 x 128 the first token alone, which made AWQ+GPTQ worse in those windows on every domain (BENCHMARKS.md,
+        # "AWQ's clip sample and the window length")
         while stride > 1 and math.gcd(stride, per) > 1:
             stride -= 1
         t = (self.current[:, None] * per + torch.arange(per)).flatten()
