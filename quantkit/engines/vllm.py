@@ -74,6 +74,23 @@ INT8_INEXACT = ("vLLM's int8 GEMM on this CPU (oneDNN without VNNI) sums pairs o
                 "saturates: these W8A8 measurements are this machine's, worse than on a server with VNNI or a GPU")
 
 
+# vLLM's CPU MoE kernel for int4 experts (CPUExpertsInt4, fused_moe/experts/cpu_moe.py) computes with int8
+# activations whatever VLLM_CPU_INT4_W4A8 says; measured on tiny Qwen3-MoE / Mixtral W4A16 (float16) against
+# quantkit's runtime on the same artifact: KLD 1.4e-5 .. 1.6e-4, greedy tokens 70-78 %, where dense W4A16 agrees to
+# KLD < 1e-6 and 92 %
+MOE_W4A8 = ("vLLM's CPU MoE kernel for int4 experts (CPUExpertsInt4) quantizes the experts' inputs to int8 per token "
+            "(INT4_W4A8): these measurements are of W4A8 experts, not of the artifact's W4A16 alone")
+# On an AMX CPU, vLLM runs a dense W4A16 Linear in bfloat16 as W4A8 unless VLLM_CPU_INT4_W4A8=0 (mixed_precision/
+# cpu.py): SmolLM2 GPTQ W4 g64 in bfloat16 gave ppl +3.7 %, KLD 0.028 against quantkit's runtime on the same
+# artifact, and ppl -0.1 %, KLD 1.0e-3 with it off. The worker turns it off, so vLLM measures the artifact as written.
+W4A8_ENV = "VLLM_CPU_INT4_W4A8"
+
+
+def moe(config: dict) -> bool:
+    """Whether config.json describes a mixture-of-experts model (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek)."""
+    return any((config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def weight_only_int(config: dict) -> bool:
     """Whether vLLM's CPU build runs config.json's quantized Linears with cpu_gemm_wna16: gptq, awq, and
     compressed-tensors groups of integer weights whose inputs stay unquantized."""
@@ -105,7 +122,8 @@ class VllmEngine:
         self.tmp = tempfile.TemporaryDirectory(prefix="quantkit-vllm-")
         self.log = open(Path(self.tmp.name) / "worker.log", "w+")
         env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
-                            os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false"}
+                            os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false",
+                            W4A8_ENV: os.environ.get(W4A8_ENV, "0")}
         self.proc = subprocess.Popen([self.python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)
 
@@ -122,6 +140,8 @@ class VllmEngine:
                                 "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
         if int8_activations(config) and self.kernels().get("int8_exact") is False:
             self.info["warning"] = INT8_INEXACT
+        elif weight_only_int(config) and moe(config) and self.kernels()["device"] == "cpu":
+            self.info["warning"] = MOE_W4A8
         return self.info
 
     def kernels(self) -> dict:

@@ -46,13 +46,16 @@ def load(state: dict, req: dict) -> dict:
 
 
 def kernels(state: dict, req: dict) -> dict:
-    """vLLM's platform; on a CPU, whether the kernel library it loads has the weight-only kernel, and whether its
-    int8 GEMM (oneDNN) is exact: without VNNI, oneDNN sums pairs of u8 x s8 products in int16, which saturates."""
+    """vLLM's platform; on a CPU, whether the kernel library it loads has the weight-only kernel, whether the CPU
+    has AMX, and whether its int8 GEMM (oneDNN) is exact: without VNNI, oneDNN sums pairs of u8 x s8 products in
+    int16, which saturates."""
     import torch
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
-    out = {"device": current_platform.device_type, "wna16": hasattr(torch.ops._C, "cpu_gemm_wna16")}
+    # AMX: vLLM's CPU MoE kernels need it (fused_moe/experts/cpu_moe.py)
+    out = {"device": current_platform.device_type, "wna16": hasattr(torch.ops._C, "cpu_gemm_wna16"),
+           "amx": torch.cpu._is_amx_tile_supported()}
     if hasattr(torch.ops._C, "onednn_scaled_mm"):
         from vllm import _custom_ops as ops
 
