@@ -187,6 +187,22 @@ def test_an_moe_artifact_is_served_or_refused_by_name(scheme, engine, served, tm
     check_agreement(against_quantkit(dense, engine, tmp_path / "cache", generation=False), generation=False)
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_a_fresh_worker_serves_w4a16_in_bfloat16(engine, tmp_path):
+    """vLLM's bfloat16 W4A16 kernel on AMX dies of SIGILL in a process where nothing has asked for AMX tiles yet;
+    the worker asks (its kernel probe) before every load, also when the engine's cached probe skips it."""
+    if not engine.kernels().get("amx"):
+        pytest.skip("the bfloat16 AMX path of cpu_gemm_wna16 needs an AMX CPU")
+    artifact = quantize(make_servable_model(tmp_path / "llama", "llama"), tmp_path / "q",
+                        "rtn: {bits: 4, group_size: 64, sym: true}", "compressed-tensors")
+    with VllmEngine(PYTHON) as fresh:
+        fresh._kernels = engine.kernels()  # as a restarted worker of one engine: no probe from the engine's side
+        fresh.load(str(artifact), "bfloat16", 64, max_num_seqs=2)
+        tokens = fresh.generate([[5, 6, 7, 8]], 8, ignore_eos=True)
+    assert len(tokens[0]) == 8
+
+
 TASK_DOCS = 40
 
 
