@@ -84,6 +84,8 @@ MOE_W4A8 = ("vLLM's CPU MoE kernel for int4 experts (CPUExpertsInt4) quantizes t
 # cpu.py): SmolLM2 GPTQ W4 g64 in bfloat16 gave ppl +3.7 %, KLD 0.028 against quantkit's runtime on the same
 # artifact, and ppl -0.1 %, KLD 1.0e-3 with it off. The worker turns it off, so vLLM measures the artifact as written.
 W4A8_ENV = "VLLM_CPU_INT4_W4A8"
+W4A8 = ("VLLM_CPU_INT4_W4A8 is set: vLLM runs this W4A16 artifact in bfloat16 on AMX as W4A8, activations "
+        "quantized to int8 per token; these measurements are of that, not of the artifact as written")
 
 
 def moe(config: dict) -> bool:
@@ -140,8 +142,11 @@ class VllmEngine:
                                 "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
         if int8_activations(config) and self.kernels().get("int8_exact") is False:
             self.info["warning"] = INT8_INEXACT
-        elif weight_only_int(config) and moe(config) and self.kernels()["device"] == "cpu":
-            self.info["warning"] = MOE_W4A8
+        elif weight_only_int(config) and self.kernels()["device"] == "cpu":
+            if moe(config):
+                self.info["warning"] = MOE_W4A8
+            elif dtype == "bfloat16" and self.kernels().get("amx") and os.environ.get(W4A8_ENV, "0") != "0":
+                self.info["warning"] = W4A8
         return self.info
 
     def kernels(self) -> dict:
