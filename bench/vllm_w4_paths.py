@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 import quantkit.engines.vllm as vllm_engine
+from quantkit.bench.serving import ServingOptions, _summary
 from quantkit.engines.vllm import W4A8_ENV, VllmEngine, interpreter
 from quantkit.eval.runner import EvalOptions, evaluate
 from quantkit.progress import Reporter
@@ -28,16 +28,14 @@ from quantkit.progress import Reporter
 PATHS = [("float16", "0"), ("bfloat16", "1"), ("bfloat16", "0")]
 
 
-def serving(raw: dict) -> dict:
-    out = {}
-    for run in raw["runs"]:
-        wall = statistics.median(r["wall_s"] for r in run["reps"])
-        itl = [t for r in run["reps"] for t in r["itl_s"]]
-        ttft = [t for r in run["reps"] for t in r["ttft_s"]]
-        out[run["concurrency"]] = {"output_tok_s": run["reps"][0]["tokens"] / wall,
-                                   "decode_tok_s_per_seq": 1 / statistics.median(itl),
-                                   "ttft_ms_p50": 1e3 * statistics.median(ttft)}
-    return out
+SERVE = ServingOptions(concurrency=(1, 16), prompt_len=512, gen_len=128, reps=3)
+
+
+def serving(engine: VllmEngine, name: str, path: str, dtype: str) -> dict:
+    """`quantkit bench --engine vllm`'s rows for path at dtype, by concurrency."""
+    engine.load(path, dtype, SERVE.prompt_len + SERVE.gen_len, max_num_seqs=max(SERVE.concurrency))
+    raw = engine.bench(list(SERVE.concurrency), SERVE.prompt_len, SERVE.gen_len, SERVE.reps)
+    return {r["concurrency"]: r for r in _summary(name, path, dtype, raw, SERVE)}
 
 
 def main() -> int:
@@ -57,11 +55,9 @@ def main() -> int:
             o = EvalOptions(base=args.artifact, datasets=["wikitext2"], seq_len=2048, max_tokens=8192,
                             dtype="float32", gen_tokens=64, engine="vllm")
             body = evaluate(args.artifact, o, Reporter(quiet=True), engine=engine)
-            engine.load(args.artifact, dtype, 640, max_num_seqs=16)
-            model = serving(engine.bench([1, 16], 512, 128, 3))
+            model = serving(engine, "model", args.artifact, dtype)
             if dtype not in base:
-                engine.load(args.original, dtype, 640, max_num_seqs=16)
-                base[dtype] = serving(engine.bench([1, 16], 512, 128, 3))
+                base[dtype] = serving(engine, "base", args.original, dtype)
         row = {"dtype": dtype, W4A8_ENV: w4a8, "ppl_ratio": body["ppl"]["model"] / body["ppl"]["base"],
                "kld": body["kld"]["mean"], "same_top": body["same_top"],
                "greedy_tokens": body["generation"]["token_agreement"], "serving": model, "original": base[dtype]}

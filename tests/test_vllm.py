@@ -192,7 +192,7 @@ def test_an_moe_artifact_is_served_or_refused_by_name(scheme, engine, served, tm
 @pytest.mark.slow
 def test_a_fresh_worker_serves_w4a16_in_bfloat16(engine, tmp_path, monkeypatch):
     """vLLM's bfloat16 W4A16 kernel on AMX dies of SIGILL in a process where nothing has asked for AMX tiles yet
-    (oneDNN, in the engine's kernel probe, happens to ask): the worker asks itself before every load, so a restarted
+    (oneDNN, in the engine's kernel probe, happens to ask): the worker asks itself when it starts, so a restarted
     worker, which the engine's cached probe skips, serves too. Forcing vLLM's W4A8 path is warned about."""
     if not engine.kernels().get("amx"):
         pytest.skip("the bfloat16 AMX path of cpu_gemm_wna16 needs an AMX CPU")

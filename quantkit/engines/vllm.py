@@ -123,11 +123,11 @@ class VllmEngine:
     def start(self) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="quantkit-vllm-")
         self.log = open(Path(self.tmp.name) / "worker.log", "w+")
-        env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
-                            os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false",
-                            W4A8_ENV: os.environ.get(W4A8_ENV, "0")}
+        self.env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
+                                 os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "TOKENIZERS_PARALLELISM": "false",
+                                 W4A8_ENV: os.environ.get(W4A8_ENV, "0")}
         self.proc = subprocess.Popen([self.python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, start_new_session=True)
+                                     stderr=self.log, text=True, env=self.env, start_new_session=True)
 
     def load(self, model: str, dtype: str, max_model_len: int, max_logprobs: int = 20,
              max_num_seqs: int = 16) -> dict:
@@ -145,7 +145,7 @@ class VllmEngine:
         elif weight_only_int(config) and self.kernels()["device"] == "cpu":
             if moe(config):
                 self.info["warning"] = MOE_W4A8
-            elif dtype == "bfloat16" and self.kernels().get("amx") and os.environ.get(W4A8_ENV, "0") != "0":
+            elif dtype == "bfloat16" and self.kernels().get("amx") and self.env[W4A8_ENV] != "0":
                 self.info["warning"] = W4A8
         return self.info
 

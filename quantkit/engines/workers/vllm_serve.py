@@ -34,14 +34,10 @@ def _drop(state: dict) -> None:
 
 def load(state: dict, req: dict) -> dict:
     """Serves req's model; one worker serves several models in turn (vLLM's import is most of a start)."""
-    import torch
     import vllm
     from vllm import LLM
 
     _drop(state)
-    # on an AMX CPU, cpu_gemm_wna16's bfloat16 path runs AMX tile instructions without asking Linux for them
-    # (ARCH_REQ_XCOMP_PERM): in a process where nothing has asked yet, its first W4A16 matmul dies of SIGILL
-    torch.cpu._init_amx()
     state["llm"] = LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["max_model_len"],
                        max_logprobs=req["max_logprobs"], enforce_eager=True, max_num_seqs=req.get("max_num_seqs", 16),
                        seed=0)
@@ -214,6 +210,11 @@ OPS = {"kernels": kernels, "load": load, "prompt_logprobs": prompt_logprobs, "ge
 
 
 def main() -> None:
+    import torch
+
+    # on an AMX CPU, cpu_gemm_wna16's bfloat16 path runs AMX tile instructions without asking Linux for them
+    # (ARCH_REQ_XCOMP_PERM, granted per process): where nothing has asked yet, its first W4A16 matmul dies of SIGILL
+    torch.cpu._init_amx()
     state: dict = {}
     for line in sys.stdin:
         req = json.loads(line)
