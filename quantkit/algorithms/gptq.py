@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
+from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight
 
 
 class NotPositiveDefinite(RuntimeError):
@@ -171,6 +171,8 @@ class GPTQ:
             w1, h1 = wt[i1:i2].clone(), hinv[i1:i2, i1:i2]
             diag = h1.diagonal().tolist()  # Python floats: one op less per column than indexing h1
             err1 = torch.empty_like(w1)
+            # each column's views made once per block, and every op in place: the loop is Python-bound
+            w_rows, h_rows, e_rows, q_rows = w1.unbind(), h1.unbind(), err1.unbind(), codes[i1:i2].unbind()
             for i in range(i2 - i1):
                 col = i1 + i
                 if col % span == 0:  # a new group starts: grid from its current (error-updated) weights
@@ -180,12 +182,13 @@ class GPTQ:
                     s, z = self.find_params(ahead.T, spec)
                     g = (int(perm[col]) if perm is not None else col) // span
                     scale[g], zero[g] = s, z
-                q = quantize_codes(w1[i], s, z, spec.maxq)
-                codes[col] = q
-                err = (w1[i] - (q - z) * s) / diag[i]
-                losses += err.square()  # halved once at the end: exact, as halving is
-                w1[i + 1 :].addr_(h1[i, i + 1 :], err, alpha=-1)
-                err1[i] = err
+                w, q, err = w_rows[i], q_rows[i], e_rows[i]
+                torch.div(w, s, out=q).round_().add_(z).clamp_(0, spec.maxq)  # quantize_codes, into codes
+                torch.sub(q, z, out=err).mul_(s)
+                torch.sub(w, err, out=err).div_(diag[i])  # (w - (q - z)·s) / [H⁻¹]ᵢᵢ
+                if i + 1 < i2 - i1:
+                    w1[i + 1:].addr_(h_rows[i][i + 1:], err, alpha=-1)
+            losses += err1.square().sum(0)  # halved once at the end: exact, as halving is
             wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)  # lazy batch update of the remaining columns
         if perm is not None:
             codes = codes[torch.argsort(perm)]
