@@ -255,3 +255,27 @@ def test_eval_base_stream_refuses_what_needs_the_whole_base(checkpoints, tmp_pat
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: --base-load stream: only the base's log-probs are computed block by block; generation (pass "
         "--no-generation) needs the whole base (or its cached results)")
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
+def test_quantize_asks_torch_for_huge_pages_unless_told_otherwise(tiny_llama, tmp_path, monkeypatch, preset, expected):
+    """torch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: `quantkit quantize` sets it before the run
+    (the torchrun ranks it launches inherit it) and keeps a value the caller set."""
+    import os
+
+    import quantkit.quantize.run as run
+
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen["thp"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
+        return {}
+
+    monkeypatch.setattr(run, "run_quantize", record)
+    if preset is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "o", STAGES["rtn"], ("gptq",))
+    assert run_cli(monkeypatch, "quantize", recipe) == 0
+    assert seen == {"thp": expected}
