@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .grid import GridSpec, params_from_range
+from .grid import GridSpec, params_from_range, quantize_codes
 
 Loss = Callable[[list[torch.Tensor]], float]  # candidate weights (one per linear, float32) -> error
 
@@ -77,7 +77,7 @@ def quantize_dequantize(w: torch.Tensor, spec: GridSpec, lo: torch.Tensor | None
         lo, hi = torch.aminmax(g, dim=1)
     scale, zero = params_from_range(lo.reshape(-1), hi.reshape(-1), spec)
     scale, zero = scale[:, None], zero[:, None]
-    q = torch.div(g, scale).round_().add_(zero).clamp_(0, spec.maxq)
+    q = quantize_codes(g, scale, zero, spec.maxq)
     return q.sub_(zero).mul_(scale).view(rows, cols)
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight
+from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
 
 
 class NotPositiveDefinite(RuntimeError):
@@ -183,11 +183,10 @@ class GPTQ:
                     g = (int(perm[col]) if perm is not None else col) // span
                     scale[g], zero[g] = s, z
                 w, q, err = w_rows[i], q_rows[i], e_rows[i]
-                torch.div(w, s, out=q).round_().add_(z).clamp_(0, spec.maxq)  # quantize_codes, into codes
+                quantize_codes(w, s, z, spec.maxq, out=q)
                 torch.sub(q, z, out=err).mul_(s)
                 torch.sub(w, err, out=err).div_(diag[i])  # (w - (q - z)·s) / [H⁻¹]ᵢᵢ
-                if i + 1 < i2 - i1:
-                    w1[i + 1:].addr_(h_rows[i][i + 1:], err, alpha=-1)
+                w1[i + 1:].addr_(h_rows[i][i + 1:], err, alpha=-1)
             losses += err1.square().sum(0)  # halved once at the end: exact, as halving is
             wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)  # lazy batch update of the remaining columns
         if perm is not None:

@@ -121,6 +121,8 @@ def params_from_range(xmin: torch.Tensor, xmax: torch.Tensor, spec: GridSpec) ->
     return scale, zero
 
 
-def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
-    """Codes for w [rows, cols] given per-row (or broadcastable) scale and zero."""
-    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes for w [rows, cols] given per-row (or broadcastable) scale and zero, as float; out: where to write them
+    (GPTQ's column loop fills its codes row by row). One temporary, then in-place steps."""
+    return torch.div(w, scale, out=out).round_().add_(zero).clamp_(0, maxq)
