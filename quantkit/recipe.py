@@ -121,6 +121,9 @@ class AWQ(_Strict):
     grid: int = Field(20, ge=1, le=1000)  # scale exponents tried: alpha = i / grid, i < grid
     duo_scaling: bool = True  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default); false: s = x_mean^a
     clip: bool = True  # search each group's clipping range after scaling (never q/k projections)
+    # tokens the clip search scores each Linear on (AutoAWQ's n_sample_token: 512); the search works on each group's
+    # Gram matrix, so more tokens cost memory (tokens x in_features floats per Linear of a block), not search time
+    clip_tokens: int = Field(512, ge=1)
     ignore: list[str] = ["lm_head"]
 
     # the WeightQuant fields the pipeline and the export checks read

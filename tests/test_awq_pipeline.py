@@ -138,10 +138,12 @@ def test_awq_without_clipping_and_manifest(artifacts, outlier_llama, tmp_path, m
         assert zeros.shape == (4, 8) and bool(((zeros.long() & 0xFFFFFFFF) == 0x88888888).all())
 
 
-def test_clip_sample_walks_through_the_positions(outlier_llama, monkeypatch):
+@pytest.mark.parametrize("clip_tokens, stride", [(16, 31), (64, 7)])  # of 16 x 32 tokens: AutoAWQ's k = 32, 8
+def test_clip_sample_walks_through_the_positions(outlier_llama, monkeypatch, clip_tokens, stride):
     """Block 0's v_proj reads input_layernorm(embeddings); its clip sample (after folding: x / s) must be every k-th
     calibration token with k coprime to the window length, not one position of every window (AutoAWQ's stride, a
-    multiple of the window length here: the first token, the attention sink, of each)."""
+    multiple of the window length here: the first token, the attention sink, of each). The recipe's clip_tokens sets
+    how many."""
     from quantkit.algorithms import awq
 
     seen = {"scales": [], "clip": {}}
@@ -158,11 +160,11 @@ def test_clip_sample_walks_through_the_positions(outlier_llama, monkeypatch):
 
     monkeypatch.setattr(awq, "search_scale", scale_spy)
     monkeypatch.setattr(awq, "search_clip", clip_spy)
-    monkeypatch.setattr("quantkit.quantize.transforms.CLIP_TOKENS", 16)  # of 16 x 32 tokens: AutoAWQ's k = 32
     recipe = parse_recipe({
         "model": str(outlier_llama), "dtype": "float32",
         "calibration": {"dataset": "wikitext2", "num_samples": 16, "seq_len": 32, "seed": 0},
-        "stages": [{"awq": {"group_size": 32}}], "export": {"output": "o", "formats": ["awq"]}})
+        "stages": [{"awq": {"group_size": 32, "clip_tokens": clip_tokens}}],
+        "export": {"output": "o", "formats": ["awq"]}})
     loaded = load_model(recipe.model, recipe.dtype)
     calib = calibration.build(loaded.tokenizer, recipe.calibration)
     with torch.no_grad():
@@ -171,10 +173,11 @@ def test_clip_sample_walks_through_the_positions(outlier_llama, monkeypatch):
     pipeline.quantize(model, recipe.stage, calib, torch.device("cpu"), recipe.export.formats,
                       Reporter(quiet=True), recipe.transforms)
     s, clip = seen["scales"][0], seen["clip"][(32, 64)][0]  # block 0: the q/k/v mapping's scale; v_proj (GQA)
-    index = torch.arange(0, 16 * 32, 31)[:16]  # k = 31, the largest below 32 coprime to it
+    index = torch.arange(0, 16 * 32, stride)[:clip_tokens]  # k: the largest below 512 / clip_tokens coprime to 32
+    assert len(index) == clip_tokens
     torch.testing.assert_close(clip * s, x.reshape(-1, 64)[index], rtol=1e-5, atol=1e-6)
     positions = (index % 32).tolist()
-    assert len(set(positions)) == 16 and positions.count(0) == 1, positions
+    assert len(set(positions)) == min(clip_tokens, 32) and positions.count(0) == -(-clip_tokens // 32), positions
 
 
 # ------------------------------------------------------------------------------------------- recipes
@@ -193,8 +196,8 @@ def recipe(*stages, formats=("awq",), **edits):
 def test_awq_recipe_defaults_and_both_roles():
     r = parse_recipe(recipe({"awq": {}}))
     a = r.stage.awq
-    assert (a.bits, a.group_size, a.zero_point, a.grid, a.duo_scaling, a.clip, a.ignore) == (
-        4, 128, True, 20, True, True, ["lm_head"])
+    assert (a.bits, a.group_size, a.zero_point, a.grid, a.duo_scaling, a.clip, a.clip_tokens, a.ignore) == (
+        4, 128, True, 20, True, True, 512, ["lm_head"])
     assert r.stage.name == "awq" and not r.transforms and r.needs_calibration and a.sym is False
     r = parse_recipe(recipe({"awq": AWQ_ARGS}, {"gptq": GPTQ_ARGS}, formats=("awq", "gptq")))
     assert [s.name for s in r.transforms] == ["awq"] and r.stage.name == "gptq"

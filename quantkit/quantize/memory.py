@@ -218,9 +218,14 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
             p.disk["hidden_states"], hidden = hidden, 2 * batch * per_window
         p.disk["checkpoint"] = c.num_samples * per_window
         p.advice["checkpoint"] = "lower calibration.num_samples or calibration.seq_len"
-        if any(s.name == "awq" for s in recipe.stages):  # the module inputs AWQ's scale search replays (a strided
-            # subset of the windows, MODULE_LOSS_TOKENS), and the output it is scored against
+        awq_stage = next((s.args for s in recipe.stages if s.name == "awq"), None)
+        if awq_stage is not None:  # the module inputs AWQ's scale search replays (a strided subset of the windows,
+            # MODULE_LOSS_TOKENS), and the output it is scored against; each Linear's clip sample of the block
             acts += 2 * min(c.num_samples, max(batch, -(-MODULE_LOSS_TOKENS // c.seq_len))) * per_window
+            block_inputs: dict[str, int] = {}
+            for name, m in targets.items():
+                block_inputs[_block_of(name)] = block_inputs.get(_block_of(name), 0) + m.in_features
+            acts += min(awq_stage.clip_tokens, c.num_samples * c.seq_len) * max(block_inputs.values(), default=0) * elt
         elif any(s.name == "smoothquant" for s in recipe.stages):
             acts += 2 * batch * per_window
         widest_in = max((m.in_features for m in targets.values()), default=cfg.hidden_size)

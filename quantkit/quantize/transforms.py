@@ -146,8 +146,8 @@ class SmoothQuantPass:
         return handles, warnings
 
 
-# AWQ memory bounds. Clipping scores each Linear on a strided subsample of its input (AutoAWQ's
-# `_compute_best_clip` samples 512 tokens too), so only that is kept per Linear. The scale search of a
+# AWQ memory bounds. Clipping scores each Linear on a strided subsample of its input (`clip_tokens` of them;
+# AutoAWQ's `_compute_best_clip` samples 512), so only that is kept per Linear. The scale search of a
 # mapping scored on a module (q/k/v on self_attn, gate/up on the MLP) re-runs that module on its captured
 # input once per grid point; batches above MODULE_LOSS_TOKENS tokens keep an evenly strided subset of their
 # sequences for it (64 x 512 -> 8 x 512), bounding both the memory held and the search's compute. The
@@ -155,7 +155,6 @@ class SmoothQuantPass:
 # blocks, 32 x 512 calibration: 16384 / 4096 / 2048 scoring tokens give block output errors within noise of
 # each other (see the AWQ speed notes in the change report), the search ~4x / 8x cheaper; 20 grid points x
 # the MLP re-run on 16384 tokens was most of AWQ's time per block.
-CLIP_TOKENS = 512
 MODULE_LOSS_TOKENS = 4096
 
 
@@ -295,11 +294,11 @@ class AwqPass:
         return handles
 
     def _clip_sample(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every k-th of all calibration tokens, about CLIP_TOKENS of them (the same ones under any split of the
+        """Every k-th of all calibration tokens, about clip_tokens of them (the same ones under any split of the
         windows over processes and batches): their indices among all tokens and their rows of x [windows, tokens,
         channels]. k is coprime to the window length, so the sample walks through the positions."""
-        per = x.shape[1]
-        stride = max(1, self.total * per // CLIP_TOKENS)
+        per, wanted = x.shape[1], self.args.clip_tokens
+        stride = max(1, self.total * per // wanted)
         # AutoAWQ's k (all tokens / 512) shares factors with the window length L in the usual shapes, and then
         # samples only positions that are multiples of gcd(k, L): in 128 x 512 windows 0, 128, 256, 384, a quarter
         # of them the first token, where the attention sink's massive activations sway every clip range; in
@@ -308,7 +307,7 @@ class AwqPass:
         while stride > 1 and math.gcd(stride, per) > 1:
             stride -= 1
         t = (self.current[:, None] * per + torch.arange(per)).flatten()
-        keep = (t % stride == 0) & (t // stride < CLIP_TOKENS)
+        keep = (t % stride == 0) & (t // stride < wanted)
         return t[keep], x.reshape(-1, x.shape[-1])[keep.to(x.device)].clone()
 
     def _gathered(self, i: int, name: str) -> torch.Tensor | None:
@@ -377,7 +376,8 @@ class AwqPass:
             with torch.no_grad():
                 for name, lin in todo.items():  # each on its owner; the clipped weight to every process
                     mine = None if owner[name] != self.ranks.rank else \
-                        awq.search_clip(lin.weight.detach(), inputs[name], self.spec, n_tokens=CLIP_TOKENS)
+                        awq.search_clip(lin.weight.detach(), inputs[name], self.spec,
+                                        n_tokens=self.args.clip_tokens)
                     lin.weight.copy_(self.ranks.broadcast(mine, owner[name]))
                     self.clipped += 1
         return warnings
