@@ -3,6 +3,7 @@ generation agreement, the eval JSON contract, and `quantkit report`."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,6 +119,42 @@ def test_summary_matches_numpy_over_all_windows():
     assert s["ppl"]["ln_ratio"]["mean"] == pytest.approx((nm - nb).mean(), abs=1e-5)
     assert sum(s["kld"]["histogram"]["counts"]) == 150
     assert len(s["kld"]["histogram"]["counts"]) == len(HIST_EDGES) - 1
+    # each window's own means, in window order (equal windows: their mean is the whole mean)
+    assert s["per_window"]["kld"] == pytest.approx([float(r["kld"].double().mean()) for r in refs], rel=1e-4)
+    assert s["per_window"]["nll_model"] == pytest.approx([float(r["nll_model"].double().mean()) for r in refs],
+                                                         rel=1e-5)
+    assert math.exp(np.mean(s["per_window"]["nll_model"])) == pytest.approx(s["ppl"]["model"], rel=1e-6)
+
+
+def test_paired_comparison_separates_a_shift_from_noise():
+    """bench/paired.py: a model worse on every window by 1 % is `worse` with a tight interval; one that differs by
+    noise alone is a `tie`; windows that do not line up are refused."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("paired", Path(__file__).parents[1] / "bench" / "paired.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    rng = np.random.default_rng(0)
+    ref_nll = rng.uniform(2, 4, 32)
+    ref_kld = rng.uniform(0.1, 0.2, 32)
+
+    def body(name, nll, kld):
+        return {"model": name, "domains": {"code": {
+            "ppl": {"model": math.exp(np.mean(nll))}, "kld": {"mean": float(np.mean(kld))},
+            "per_window": {"nll_model": list(map(float, nll)), "kld": list(map(float, kld))}}}}
+
+    ref = body("ref", ref_nll, ref_kld)
+    shifted = body("shifted", ref_nll + math.log(1.01) + rng.normal(0, 1e-3, 32), ref_kld + 0.01)
+    noisy = body("noisy", ref_nll + rng.normal(0, 0.02, 32), ref_kld + rng.normal(0, 0.01, 32))
+    [row] = paired.compare(ref, shifted)
+    assert row["ppl_verdict"] == "worse" and row["kld_verdict"] == "worse"
+    assert row["ppl_ratio_lo"] < 1.01 < row["ppl_ratio_hi"] and row["ppl_ratio_hi"] - row["ppl_ratio_lo"] < 0.002
+    assert row["kld_diff"] == pytest.approx(0.01)
+    [row] = paired.compare(ref, noisy)
+    assert row["ppl_verdict"] == "tie" and row["kld_verdict"] == "tie"
+    assert paired.compare(shifted, ref)[0]["ppl_verdict"] == "better"
+    with pytest.raises(SystemExit, match="not scored on the same windows"):
+        paired.compare(ref, body("short", ref_nll[:8], ref_kld[:8]))
 
 
 def test_generation_compare_definitions():
