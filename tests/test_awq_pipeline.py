@@ -214,7 +214,10 @@ def test_awq_recipe_defaults_and_both_roles():
     ([{"awq": {"clip": "maybe"}}], ("awq",), {},
      "stages.0.awq.clip: Input should be a valid boolean, unable to interpret input (got 'maybe')"),
     ([{"awq": {"alpha": 0.5}}], ("awq",), {},
-     "stages.0.awq: unknown key 'alpha' (accepted: bits, group_size, zero_point, grid, duo_scaling, clip, ignore)"),
+     "stages.0.awq: unknown key 'alpha' (accepted: bits, group_size, zero_point, grid, duo_scaling, clip, "
+     "clip_tokens, ignore)"),
+    ([{"awq": {"clip_tokens": 0}}], ("awq",), {},
+     "stages.0.awq.clip_tokens: Input should be greater than or equal to 1 (got 0)"),
     ([{"awq": AWQ_ARGS}, {"gptq": dict(GPTQ_ARGS, sym=True)}], ("awq",), {},
      "stages.1.gptq.sym: must be false to match stages.0.awq (zero_point: true); awq searches its scales on the "
      "grid gptq then rounds to"),
