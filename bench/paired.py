@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     results = bodies(args.json)
     if len(results) < 2:
         raise SystemExit("error: need at least two artifacts to compare")
-    ref = next((b for b in results if args.ref and args.ref in b["model"]), None) if args.ref else results[0]
+    ref = next((b for b in results if args.ref in b["model"]), None) if args.ref else results[0]
     if ref is None:
         raise SystemExit(f"error: --ref {args.ref}: no artifact path contains it")
     tables = []
