@@ -170,9 +170,11 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     outer = [m for m in model.modules() if any(id(p) not in in_blocks for p in m.parameters(recurse=False))]
     outer_bytes = max((_nbytes(m.parameters(recurse=False)) for m in outer), default=0)
     total_bytes = _nbytes({id(p): p for p in model.parameters()}.values())
-    by_block: dict[str, int] = {}
+    by_block: dict[str, int] = {}  # quantized weights per block
+    inputs_by_block: dict[str, int] = {}  # their input channels (AWQ keeps a clip sample of each input)
     for name, m in targets.items():
         by_block[_block_of(name)] = by_block.get(_block_of(name), 0) + m.weight.numel()
+        inputs_by_block[_block_of(name)] = inputs_by_block.get(_block_of(name), 0) + m.in_features
     quantized = sum(by_block.values())
     # uint8 codes, plus scales and zeros (at least one per 32 weights, 2-4 bytes each)
     codes, block_codes = quantized * 9 // 8, max(by_block.values(), default=0) * 9 // 8
@@ -222,10 +224,8 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         if awq_stage is not None:  # the module inputs AWQ's scale search replays (a strided subset of the windows,
             # MODULE_LOSS_TOKENS), and the output it is scored against; each Linear's clip sample of the block
             acts += 2 * min(c.num_samples, max(batch, -(-MODULE_LOSS_TOKENS // c.seq_len))) * per_window
-            block_inputs: dict[str, int] = {}
-            for name, m in targets.items():
-                block_inputs[_block_of(name)] = block_inputs.get(_block_of(name), 0) + m.in_features
-            acts += min(awq_stage.clip_tokens, c.num_samples * c.seq_len) * max(block_inputs.values(), default=0) * elt
+            acts += min(awq_stage.clip_tokens, c.num_samples * c.seq_len) * max(inputs_by_block.values(), default=0) \
+                * elt
         elif any(s.name == "smoothquant" for s in recipe.stages):
             acts += 2 * batch * per_window
         widest_in = max((m.in_features for m in targets.values()), default=cfg.hidden_size)
