@@ -21,6 +21,10 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from quantkit.eval.distribution import _mean_stderr
+
 Z95 = 1.96
 
 
@@ -40,11 +44,7 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean of a - b over windows and its standard error."""
     if len(a) != len(b):
         raise SystemExit(f"error: {len(a)} windows against {len(b)}: the artifacts were not scored on the same windows")
-    d = [x - y for x, y in zip(a, b)]
-    n = len(d)
-    mean = sum(d) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else math.nan
-    return mean, se
+    return _mean_stderr(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
 
 
 def verdict(mean: float, se: float) -> str:
