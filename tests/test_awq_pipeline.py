@@ -263,3 +263,25 @@ def test_plan_refuses_unpackable_awq_before_any_work(tiny_factory, tmp_path, mon
     assert err == ("error: export.formats: awq cannot pack 4-bit model.layers.0.mlp.gate_proj (out_features=100 "
                    "is not a multiple of 8)")
     assert not (tmp_path / "o").exists()
+
+
+def test_plan_counts_a_blocks_clip_samples(outlier_llama):
+    """The memory plan holds each quantized Linear's clip sample of one block: clip_tokens x the block's input
+    channels, capped by the calibration tokens there are."""
+    from quantkit.quantize import memory
+    from quantkit.model import decoder_blocks
+
+    def plan(clip_tokens):
+        r = parse_recipe({
+            "model": str(outlier_llama), "dtype": "float32",
+            "calibration": {"dataset": "wikitext2", "num_samples": 16, "seq_len": 32, "seed": 0},
+            "stages": [{"awq": {"group_size": 32, "clip_tokens": clip_tokens}}],
+            "export": {"output": "o", "formats": ["awq"]}})
+        model = load_model(r.model, r.dtype).model
+        targets = pipeline.plan(model, r.stage, r.export.formats, r.transforms)[1]
+        return memory.plan(model, decoder_blocks(model)[1], targets, r, False, torch.device("cpu")), targets
+
+    small, targets = plan(64)
+    large, _ = plan(10_000)  # more than the 16 x 32 calibration tokens: capped at 512
+    block_inputs = sum(m.in_features for n, m in targets.items() if ".layers.0." in n)
+    assert large.host["activations"] - small.host["activations"] == (512 - 64) * block_inputs * 4
