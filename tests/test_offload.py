@@ -136,3 +136,26 @@ def test_disk_offloaded_kill_and_resume_is_byte_identical(llama, tmp_path):
     assert not (tmp_path / "out" / ".quantkit-activations").exists()
     for fmt in FORMATS["gptq"]:
         assert safetensors_bytes(tmp_path / "out" / fmt) == safetensors_bytes(tmp_path / "whole" / fmt), fmt
+
+
+@pytest.mark.parametrize("offload", ["device", "cpu"])
+def test_plan_on_a_gpu_holds_one_copy_of_the_windows_on_the_host(llama, offload):
+    """With the hidden states on a CUDA device, block 0's inputs are still captured on the host and each block's
+    checkpoint copies its inputs there: the host part of the plan holds one copy of every window. The plan reads only
+    the device's type, so this runs without a GPU."""
+    from quantkit.model import decoder_blocks
+    from quantkit.quantize import memory, pipeline
+    from quantkit.quantize.activations import Offload
+    from quantkit.quantize.source import Streamed
+    from quantkit.recipe import parse_recipe
+
+    r = parse_recipe({"model": str(llama), "calibration": {"dataset": "wikitext2", "num_samples": 16, "seq_len": 64},
+                      "stages": [{"gptq": {"bits": 4, "group_size": 32}}], "export": {"output": "o"}})
+    model = Streamed(str(llama), r.dtype).model
+    targets = pipeline.plan(model, r.stage, r.export.formats, r.transforms)[1]
+    per_window = 64 * model.config.hidden_size * 4
+    gpu, cpu = (memory.plan(model, decoder_blocks(model)[1], targets, r, True, torch.device(d), Offload(offload))
+                for d in ("cuda", "cpu"))
+    assert gpu.host["hidden_states"] == (16 if offload == "device" else 32) * per_window
+    assert gpu.device.get("hidden_states", 0) == (32 * per_window if offload == "device" else 0)
+    assert cpu.host["hidden_states"] == 32 * per_window  # on the CPU the device is the host: in and out, once each

@@ -255,6 +255,8 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     where["solver"] = solver
     if hidden:
         (where if offload.where == "device" else p.host)["hidden_states"] = hidden
+        if on_device and offload.where == "device":  # block 0's inputs are captured on the host, and each block's
+            p.host["hidden_states"] = hidden // 2  # checkpoint copies its inputs there
     if on_device:
         p.device["block"] = block_bytes
         p.advice["block"] = "one block is this large: use a device with more memory"

@@ -27,7 +27,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -181,7 +181,9 @@ def _rtn(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[Quantize
     squares = sum(float((deq[r].float() - w[r].float()).square().sum(dtype=torch.float64))
                   for r in row_steps(*w.shape))  # a few MB of float32 at a time
     module.weight.data = deq
-    return qw, squares / w.numel()
+    # on the host, as GPTQ's results are: the packers and the memory plan hold codes there
+    return replace(qw, **{f.name: getattr(qw, f.name).cpu() for f in fields(qw)
+                          if isinstance(getattr(qw, f.name), torch.Tensor)}), squares / w.numel()
 
 
 def quantize(

@@ -133,8 +133,12 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
         with report.timed("calibration"):
             calib = calibration.build(tokenizer, recipe.calibration, recipe.model, recipe.dtype, device, report)
         report.info(f"calibration: {tuple(calib.tokens.shape)} tokens from {calib.source} (sha256 {calib.sha256[:12]})")
+    if device.type == "cuda":  # cuBLAS and cuSOLVER load at first use: host memory of the libraries, not the plan's
+        torch.linalg.cholesky(torch.eye(2, device=device) @ torch.eye(2, device=device))
     rss_start = rss_bytes()  # libraries imported, skeleton and calibration built: the rest is what the plan bounds
     reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     if streamed is None:
         source = InMemory()
         with report.timed("load"):
@@ -197,13 +201,16 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     total = time.perf_counter() - start
     report.info("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.timings.items()) + f"; total {total:.1f} s")
     peak = peak_rss_bytes()
+    device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     report.info(f"peak host memory {fmt_bytes(peak)}, {fmt_bytes(peak - rss_start)} above the start "
-                f"(plan {fmt_bytes(mem_plan.host_total)})")
+                f"(plan {fmt_bytes(mem_plan.host_total)})"
+                + ("" if device_peak is None else f"; peak device memory {fmt_bytes(device_peak)} allocated by torch "
+                   f"(plan {fmt_bytes(mem_plan.device_total)})"))
     return {
         "outputs": {fmt: str(d) for fmt, d in dests.items()},
         "load": "stream" if streamed is not None else "memory",
         "timings_s": dict(report.timings) | {"total": round(total, 3)},
-        "memory": {"plan": mem_plan.as_dict(), "rss_start": rss_start, "rss_peak": peak},
+        "memory": {"plan": mem_plan.as_dict(), "rss_start": rss_start, "rss_peak": peak, "device_peak": device_peak},
         "quantized_modules": len(result.losses),
         "loss_total": sum(v for v in result.losses.values() if v == v),
         "calibration_sha256": None if calib is None else calib.sha256,
