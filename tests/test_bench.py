@@ -13,8 +13,8 @@ from conftest import write_recipe
 from quantkit import runtime
 from quantkit.algorithms.grid import GridSpec, QuantizedWeight
 from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.bench.decode import (EagerDecoder, StaticDecoder, decode_step_flops, generate_timed, kv_cache_bytes,
-                                   tensor_bytes)
+from quantkit.bench.decode import (EagerDecoder, StaticDecoder, decode_step_flops, generate_timed,
+                                   kept_write_positions, kv_cache_bytes, tensor_bytes)
 from quantkit.bench.runner import diagnose, ratios
 from quantkit.cli import cli
 from quantkit.errors import QuantkitError
@@ -182,6 +182,27 @@ def test_decoders_generate_what_greedy_generate_does(tiny_llama):
     assert torch.equal(tokens(static), want) and torch.equal(tokens(static), want)  # the cache is reset and reused
     t = generate_timed(EagerDecoder(model), prompt, 5)
     assert t.prefill_s > 0 and t.decode_s > 0
+
+
+def test_warm_up_forwards_do_not_move_the_static_cache_writes(tiny_llama):
+    """The CUDA graph path runs two warm-up forwards before its capture. transformers' static layers write at a counter
+    each forward advances: unless kept_write_positions restores it, later steps write past where they should (on
+    the H200 the 64th step wrote past the cache's end)."""
+    model = runtime.load(str(tiny_llama)).model
+    prompt = torch.randint(3, 500, (2, 12), generator=gen(11))
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[:, 12:]
+    static = StaticDecoder(model)
+    static.compiled = model.forward
+    with torch.no_grad():
+        out = [static.prefill(prompt, 18)]
+        with kept_write_positions(static.cache):
+            for _ in range(2):
+                static._forward(out[-1], torch.tensor([12]))
+        assert all(int(layer.cumulative_length) == 12 for layer in static.cache.layers)
+        for i in range(5):
+            out.append(static.step(out[-1], 12 + i))
+    assert torch.equal(torch.cat(out, 1), want)
 
 
 @pytest.mark.parametrize("ms,nbytes,flops,bound", [

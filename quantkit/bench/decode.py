@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,22 @@ class EagerDecoder:
         return out.logits[:, -1:].argmax(-1)
 
 
+@contextmanager
+def kept_write_positions(cache) -> Iterator[None]:
+    """Forwards inside leave the cache's write positions as they were. transformers' static layers write at a
+    position counter of their own (`cumulative_length`, advanced in place by each forward, whatever cache_position
+    says): forwards that are not decode steps, such as the warm-ups before a CUDA graph capture, would move every
+    later step's writes along, past the end of the cache."""
+    counters = [layer.cumulative_length for layer in cache.layers
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+    saved = [c.clone() for c in counters]
+    try:
+        yield
+    finally:
+        for c, v in zip(counters, saved):
+            c.copy_(v)
+
+
 class StaticDecoder(EagerDecoder):
     """A preallocated (static) KV cache so every decode step has the same shapes and addresses; the step is then
     captured once in a CUDA graph and replayed (GPU: no per-kernel launch cost), or compiled with torch.compile
@@ -84,8 +102,8 @@ class StaticDecoder(EagerDecoder):
             st["token"], st["pos"] = token.clone(), torch.tensor([position], device=token.device)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture stream (cuBLAS workspaces, lazy inits)
-                for _ in range(2):
+            with torch.cuda.stream(side), kept_write_positions(self.cache):  # warm-up off the capture stream
+                for _ in range(2):  # (cuBLAS workspaces, lazy inits)
                     self._forward(st["token"], st["pos"])
             torch.cuda.current_stream().wait_stream(side)
             st["graph"] = torch.cuda.CUDAGraph()
