@@ -13,6 +13,7 @@
 #   run(command="bash bench/gpu_suite.sh", carry=[".whl"], timeout_s=600)
 # Results come back under $OUT (stream_gpu.json, gptq-whole.log, gpu_bench.json / .md, formats_bench.md, suite.log);
 # paste them into BENCHMARKS.md.
+# `bash bench/gpu_suite.sh part2` runs part 2 alone (SIZES, LAYERS and W4_FORMATS=gptq shrink it).
 # SMOKE=1 checks the plumbing on a CPU with small models of the same structure (`make gpu-suite`, ~10 min here).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -22,8 +23,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   SIZES="--batch 1,2 --prompt-len 16 --gen-len 4 --reps 1"
   STREAM_ARGS=(--layers 2 --whole-calibration "{dataset: wikitext2, num_samples: 4, seq_len: 128}")
 else
-  DEV=cuda; DT=bfloat16; LIMIT_A=${LIMIT_A:-270}; LIMIT=${LIMIT:-570}; MODEL_ARGS=${MODEL_ARGS:-}; COMPILE="--compile"
-  SIZES="--batch 1,8,32 --prompt-len 512 --gen-len 64 --reps 2"
+  DEV=cuda; DT=bfloat16; LIMIT_A=${LIMIT_A:-270}; LIMIT=${LIMIT:-570}; MODEL_ARGS=${MODEL_ARGS:-"--layers ${LAYERS:-32}"}; COMPILE="--compile"
+  SIZES=${SIZES:-"--batch 1,8,32 --prompt-len 512 --gen-len 64 --reps 2"}
   STREAM_ARGS=(--layers 24)
 fi
 mkdir -p "$OUT" "$WORK"
@@ -49,7 +50,7 @@ stages:
 export: {output: $WORK/$1, formats: [$3]}
 YAML
   }
-  recipe w4a16 "rtn: {bits: 4, group_size: 128, sym: false, ignore: [lm_head]}" "gptq, compressed-tensors"
+  recipe w4a16 "rtn: {bits: 4, group_size: 128, sym: false, ignore: [lm_head]}" "${W4_FORMATS:-gptq, compressed-tensors}"
   recipe w8a8 "rtn: {bits: 8, group_size: -1, sym: true, ignore: [lm_head], activations: {bits: 8, type: int}}" "compressed-tensors"
   recipe fp8 "rtn: {bits: 8, group_size: -1, sym: true, type: float, ignore: [lm_head], activations: {bits: 8, type: float}}" "compressed-tensors"
   for r in w4a16 w8a8 fp8; do
@@ -62,6 +63,7 @@ YAML
   $QK bench "$WORK/w4a16/gptq" "$WORK/w8a8/compressed-tensors" "$WORK/fp8/compressed-tensors" --baseline "$WORK/base" \
     $SIZES --device $DEV $COMPILE \
     --json "$OUT/gpu_bench.json" --markdown "$OUT/gpu_bench.md" || failed="$failed bench"
+  [ -d "$WORK/w4a16/compressed-tensors" ] || { [ -z "$failed" ]; return; }
   stamp "bench: the compressed-tensors W4A16 artifact loads onto the same kernel (batch 1)"
   $QK bench "$WORK/w4a16/compressed-tensors" ${SIZES/--batch 1,8,32/--batch 1} --device $DEV --quiet \
     --markdown "$OUT/formats_bench.md" || failed="$failed formats-bench"
