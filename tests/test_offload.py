@@ -159,3 +159,28 @@ def test_plan_on_a_gpu_holds_one_copy_of_the_windows_on_the_host(llama, offload)
     assert gpu.host["hidden_states"] == (16 if offload == "device" else 32) * per_window
     assert gpu.device.get("hidden_states", 0) == (32 * per_window if offload == "device" else 0)
     assert cpu.host["hidden_states"] == 32 * per_window  # on the CPU the device is the host: in and out, once each
+
+
+def test_captured_block_inputs_are_not_held_once_stored(llama, tmp_path, monkeypatch):
+    """Block 0's inputs are captured on the host; once stored where the offload puts them (files here, the GPU on
+    one), the host copy must go. The H200 run held it for the whole run: 1 GiB past the plan at 128 x 2048."""
+    import weakref
+
+    from quantkit.quantize import pipeline
+
+    captured, alive = [], []
+    capture, blocks = pipeline.capture_block_inputs, pipeline._blocks
+
+    def capturing(*args, **kwargs):
+        x, calls = capture(*args, **kwargs)
+        captured.append(weakref.ref(x))
+        return x, calls
+
+    def checking(*args, **kwargs):
+        alive.append(sum(r() is not None for r in captured))
+        return blocks(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "capture_block_inputs", capturing)
+    monkeypatch.setattr(pipeline, "_blocks", checking)
+    run(monkeypatch, tmp_path, recipe(tmp_path, "disk", llama, "gptq", "disk", 4))
+    assert captured and alive == [0]

@@ -260,6 +260,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                                         "module call loads; use load: memory")
                 calls.setdefault(x.shape[0], calls_k)
                 hidden.write(k, x)
+                del x  # captured on the host: on a GPU, a copy of every window that _blocks would keep alive
             hidden.advance()
             for size in {len(c) for k in range(len(hidden)) for c in microbatches.split(tokens[hidden.rows[k]], micro)}:
                 if size not in calls:  # a micro-batch's call arguments, at its size
