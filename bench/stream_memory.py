@@ -133,7 +133,8 @@ def run(work: Path, label: str, model: Path, load: str, stage: str, calibration:
         dtype: str = "auto") -> dict:
     recipe = work / f"{label}.yaml"
     recipe.write_text(
-        f"model: {model}\nload: {load}\ndevice: {device}\ndtype: {dtype}\n" + (f"calibration: {calibration}\n" if calibration else "")
+        f"model: {model}\nload: {load}\ndevice: {device}\ndtype: {dtype}\n"
+        + (f"calibration: {calibration}\n" if calibration else "")
         + f"stages:\n  - {stage}\nexport: {{output: {work / label}, formats: [compressed-tensors], "
         "max_shard_size: 64MB}\n")
     summary, log = work / f"{label}.json", work / f"{label}.log"
