@@ -14,7 +14,7 @@
 # Results come back under $OUT (stream_gpu.json, gptq-whole.log, gpu_bench.json / .md, formats_bench.md, suite.log);
 # paste them into BENCHMARKS.md.
 # `bash bench/gpu_suite.sh part2` runs part 2 alone (SIZES, LAYERS and W4_FORMATS=gptq shrink it).
-# SMOKE=1 checks the plumbing on a CPU with small models of the same structure (`make gpu-suite`, ~10 min here).
+# SMOKE=1 checks the plumbing on a CPU with small models of the same structure (`make gpu-suite`, ~3 min here).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 WORK=${WORK:-/tmp/quantkit-gpu}
