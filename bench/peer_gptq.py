@@ -107,7 +107,7 @@ def worker_llmc(cfg: dict) -> dict:
     n, seq_len = ids.shape
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * seq_len] * n})
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"]))
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     t_load = time.perf_counter() - t0
     # W4A16 preset with group 64 instead of 128: int weights, symmetric unless --asym, per-group minmax scales.
@@ -130,7 +130,7 @@ def worker_llmc(cfg: dict) -> dict:
     t_save = time.perf_counter() - t0
     return {"timings_s": {"load": t_load, "quantize": t_quant, "save": t_save},
             "settings": {"dampening_frac": cfg["damp"], "block_size": cfg["block_size"], "actorder": actorder,
-                         "weights": weights, "dtype": "float32"}}
+                         "weights": weights, "dtype": cfg["dtype"]}}
 
 
 def worker_gptqmodel(cfg: dict) -> dict:
@@ -315,11 +315,12 @@ def write_recipe(args, model_dir: Path) -> Path:
     import yaml
 
     recipe = {
-        "model": str(model_dir), "dtype": "float32", "device": "cpu",
+        "model": str(model_dir), "dtype": args.dtype, "device": "cpu",
         "calibration": {"dataset": str(args.calib_data), "num_samples": args.samples,
                         "seq_len": args.seq_len, "seed": args.seed},
-        "stages": [{"gptq": {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym, "act_order": args.quantkit_act_order,
-                             "damp": args.damp, "block_size": args.block_size, "ignore": ["lm_head"]}}],
+        "stages": [{"gptq": {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym,
+                             "act_order": args.quantkit_act_order, "damp": args.damp, "block_size": args.block_size,
+                             "hessian_dtype": args.quantkit_hessian_dtype, "ignore": ["lm_head"]}}],
         "export": {"output": str(args.out_dir / "quantkit"), "formats": ["compressed-tensors"]},
     }
     path = args.out_dir / "quantkit_recipe.yaml"
@@ -351,7 +352,8 @@ def quantize_tool(tool: str, args, env, model_dir: Path, calib: Path, calib_sha:
     cfg = {"model": str(model_dir), "calib": str(calib), "out": str(out), "info": str(info_path),
            "samples": args.samples, "seq_len": args.seq_len, "bits": args.bits, "group_size": args.group_size,
            "sym": not args.asym, "damp": args.damp, "block_size": args.block_size, "llmc_actorder": args.llmc_actorder,
-           "gptqmodel_match": args.gptqmodel_match, "gptqmodel_dtype": args.gptqmodel_dtype}
+           "gptqmodel_match": args.gptqmodel_match, "dtype": args.dtype,
+           "gptqmodel_dtype": args.gptqmodel_dtype or args.dtype}
     cfg_path = logs / f"{tool}.json"
     cfg_path.write_text(json.dumps(cfg, indent=2))
     py = args.peers_root / tool / "bin/python"
@@ -454,11 +456,15 @@ def parse_args(argv):
                    help="llm-compressor GPTQModifier.actorder (its own default is static)")
     p.add_argument("--quantkit-act-order", action="store_true",
                    help="quantkit act_order: true (its group-aware ordering, static groups, trivial g_idx)")
+    p.add_argument("--quantkit-hessian-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="quantkit gptq.hessian_dtype (bfloat16: each window's xᵀx on the bf16 matmul units)")
     p.add_argument("--gptqmodel-match", action="store_true",
                    help="GPTQModel with damp_percent=--damp and act_group_aware=False instead of its defaults "
                         "(damp_percent 0.05, act_group_aware True)")
-    p.add_argument("--gptqmodel-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype GPTQModel loads the float model in (its CPU default is bfloat16)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype every tool loads the float model in and runs its calibration forwards in")
+    p.add_argument("--gptqmodel-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="GPTQModel's dtype, if not --dtype (its own CPU default is bfloat16)")
     p.add_argument("--threads", type=int, default=0, help="OMP/MKL threads for every child (0: leave as is)")
     p.add_argument("--nice", type=int, default=0, help="niceness for the children (skews timings under load)")
     g = p.add_mutually_exclusive_group()

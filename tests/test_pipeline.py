@@ -135,6 +135,10 @@ def test_gptq_output_is_closer_to_the_original_than_rtn(tiny_llama):
     gptq = logits_error(tiny_llama, "gptq: {bits: 3, group_size: -1, sym: true, act_order: true}")
     rtn = logits_error(tiny_llama, "rtn: {bits: 3, group_size: -1, sym: true}")
     assert gptq < 0.8 * rtn, (gptq, rtn)
+    # bf16 Hessians (inputs and each window's product rounded to bf16): another artifact, as close as the fp32 one's
+    bf16 = logits_error(tiny_llama, "gptq: {bits: 3, group_size: -1, sym: true, act_order: true, "
+                                    "hessian_dtype: bfloat16}")
+    assert bf16 != gptq and abs(bf16 / gptq - 1) < 0.05, (bf16, gptq)
 
 
 def test_quantize_is_deterministic(tiny_llama, tmp_path, monkeypatch):

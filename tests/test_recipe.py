@@ -19,8 +19,8 @@ BASE = {
 def test_defaults_follow_the_contract():
     r = parse_recipe(copy.deepcopy(BASE))
     g = r.stage.gptq
-    assert (g.bits, g.group_size, g.sym, g.act_order, g.damp, g.block_size, g.ignore) == (
-        4, 64, True, False, 0.01, 128, ["lm_head"])
+    assert (g.bits, g.group_size, g.sym, g.act_order, g.damp, g.block_size, g.hessian_dtype, g.ignore) == (
+        4, 64, True, False, 0.01, 128, "float32", ["lm_head"])
     assert (r.calibration.num_samples, r.calibration.seq_len, r.calibration.seed) == (128, 512, 0)
     assert r.dtype == "auto" and r.device == "auto"
 
@@ -32,6 +32,8 @@ def test_defaults_follow_the_contract():
     (lambda d: d["stages"][0].update(fp4={}), "stages.0: unknown key 'fp4' (accepted: gptq, rtn, smoothquant, awq)"),
     (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, load, calibration, moe, stages, export, release, gates)"),
     (lambda d: d["stages"][0]["gptq"].update(damp=0), "stages.0.gptq.damp: Input should be greater than 0"),
+    (lambda d: d["stages"][0]["gptq"].update(hessian_dtype="float16"),
+     "stages.0.gptq.hessian_dtype: Input should be 'float32' or 'bfloat16' (got 'float16')"),
     (lambda d: d["calibration"].update(num_samples="many"), "calibration.num_samples: Input should be a valid integer"),
     (lambda d: d.update(dtype="fp8"), "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'fp8')"),
     (lambda d: d["export"].update(formats=["marlin"]),

@@ -23,19 +23,23 @@ class Hessian:
     """H = 2/n · Σ xᵀx over calibration tokens. Kept as a sum and a count, so calibration shards on several
     processes combine by all-reducing `sum` and `count`.
 
-    Each calibration window's xᵀx is computed on its own in fp32 and summed in fp64. A window's term then does not
-    depend on which other windows share its batch, and fp64 sums of a few hundred fp32 terms come out the same in
-    any order. So N processes, each summing its share, get the one-process Hessian. A last-bit difference would
+    Each calibration window's xᵀx is computed on its own in `gram_dtype` (fp32 unless asked) and summed in fp64. A
+    window's term then does not depend on which other windows share its batch, and fp64 sums of a few hundred fp32
+    terms come out the same in any order. So N processes, each summing its share, get the one-process Hessian. A last-bit difference would
     matter: GPTQ's error feedback carries one flipped code along the rest of its row.
 
     H is symmetric, so only its upper triangle is summed: `sum` is one flat fp64 buffer of row bands, band b holding
     rows [r0, r1) from column r0 on. That halves both the matmul flops and the fp64 sum, whose memory (and whose
-    fp32 → fp64 additions) cost as much as the matmuls on a CPU."""
+    fp32 → fp64 additions) cost as much as the matmuls on a CPU.
+
+    gram_dtype bfloat16 (opt-in) multiplies bf16 activations -- exactly the values a bf16 model computes -- on the
+    bf16 matmul units a CPU's fp32 path leaves idle (3.4× the flops here), then rounds each window's xᵀx to bf16
+    once (relative 2⁻⁹ per entry, independent across windows, so the fp64 sum keeps the per-window determinism)."""
 
     BAND = 128  # rows per band: big enough for an efficient matmul, small enough to waste little of the lower half
 
-    def __init__(self, columns: int, device: torch.device | str = "cpu"):
-        self.columns, self.count = columns, 0
+    def __init__(self, columns: int, device: torch.device | str = "cpu", gram_dtype: torch.dtype = torch.float32):
+        self.columns, self.count, self.gram_dtype = columns, 0, gram_dtype
         self.bands = [(r0, min(columns, r0 + self.BAND)) for r0 in range(0, columns, self.BAND)]
         sizes = [(r1 - r0) * (columns - r0) for r0, r1 in self.bands]
         self.sum = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
@@ -45,7 +49,7 @@ class Hessian:
         """x: [windows, tokens, columns] (or [tokens, columns]: one window)."""
         windows = x if x.dim() > 2 else x.unsqueeze(0)
         for w in windows:
-            w = w.reshape(-1, w.shape[-1]).to(self.sum.device, torch.float32)
+            w = w.reshape(-1, w.shape[-1]).to(self.sum.device, self.gram_dtype)
             for (r0, r1), band in zip(self.bands, self._views):
                 band.add_(w[:, r0:r1].T @ w[:, r0:])
             self.count += w.shape[0]

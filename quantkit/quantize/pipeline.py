@@ -443,7 +443,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         """At a barrier: the Hessian of every micro-batch's input, in window order."""
         name = arrived[0][0]
         with report.timed("hessian+gptq"):
-            h = Hessian(module.in_features, arrived[0][1].device)
+            h = _hessian(module, arrived[0][1].device, args)
             for part, (_, xq) in zip(parts, arrived):
                 if xq.dim() == 2 and xq.shape[0] == part.shape[0] * window_len:  # MoE MLPs flatten the tokens
                     xq = xq.view(part.shape[0], window_len, -1)  # per window, as the Hessian sums them
@@ -516,6 +516,10 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     groups.update({m: tuple(g) for g in seen for m in g if m not in groups})
     _unreached(names, args, result, report)
     return out.value
+
+
+def _hessian(module: nn.Linear, device: torch.device, args: WeightQuant) -> Hessian:
+    return Hessian(module.in_features, device, getattr(torch, args.hessian_dtype))
 
 
 def _solver(h: Hessian, args: WeightQuant, spec: GridSpec, report: Reporter, first: str) -> GPTQ:
@@ -593,7 +597,7 @@ def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: We
             key = next((n for n, r in earlier if r() is x), name)
             earlier.append((name, weakref.ref(x)))
             if key == name:
-                hessians.setdefault(key, Hessian(module.in_features, x.device))
+                hessians.setdefault(key, _hessian(module, x.device, args))
                 _check_finite(x, f"entering {name}")
                 rows = xq
                 if rows.dim() == 2 and rows.shape[0] == forward["windows"] * forward["len"]:  # MoE flattens tokens
@@ -627,7 +631,7 @@ def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: We
             break
         for key, group in members.items():
             with report.timed("hessian+gptq"):
-                h = hessians.get(key) or Hessian(by_name[key].in_features, by_name[key].weight.device)
+                h = hessians.get(key) or _hessian(by_name[key], by_name[key].weight.device, args)
                 if ranks.active:
                     ranks.all_reduce(h.sum)
                     h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
