@@ -25,8 +25,8 @@ class Hessian:
 
     Each calibration window's xᵀx is computed on its own in `gram_dtype` (fp32 unless asked) and summed in fp64. A
     window's term then does not depend on which other windows share its batch, and fp64 sums of a few hundred fp32
-    terms come out the same in any order. So N processes, each summing its share, get the one-process Hessian. A last-bit difference would
-    matter: GPTQ's error feedback carries one flipped code along the rest of its row.
+    terms come out the same in any order. So N processes, each summing its share, get the one-process Hessian. A
+    last-bit difference would matter: GPTQ's error feedback carries one flipped code along the rest of its row.
 
     H is symmetric, so only its upper triangle is summed: `sum` is one flat fp64 buffer of row bands, band b holding
     rows [r0, r1) from column r0 on. That halves both the matmul flops and the fp64 sum, whose memory (and whose
