@@ -7,6 +7,7 @@ quantize every weight that reads the same input -- q/k/v or gate/up share it.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -54,8 +55,9 @@ class Hessian:
                 band.add_(w[:, r0:r1].T @ w[:, r0:])
             self.count += w.shape[0]
 
-    def full(self, scale: float) -> torch.Tensor:
-        """scale · the summed matrix, whole and symmetric, in fp32."""
+    def value(self) -> torch.Tensor:
+        """H = 2/n · the summed matrix, whole and symmetric, in fp32; the sum is kept (take() consumes it)."""
+        scale = 2.0 / max(self.count, 1)
         out = torch.empty(self.columns, self.columns, device=self.sum.device)
         for (r0, r1), band in zip(self.bands, self._views):
             rows = (band * scale).float()
@@ -63,12 +65,23 @@ class Hessian:
             out[r1:, r0:r1] = rows[:, r1 - r0:].T
         return out
 
-    def value(self) -> torch.Tensor:
-        return self.full(2.0 / max(self.count, 1))
+    @classmethod
+    def nbytes(cls, columns: int) -> int:
+        """The sum's bytes, which are also the most a solver that takes it holds at once."""
+        return 8 * sum((min(columns, r0 + cls.BAND) - r0) * (columns - r0) for r0 in range(0, columns, cls.BAND))
 
-    def take(self) -> torch.Tensor:
-        """value(), dropping the sum: the fp64 bands and the fp32 matrix are the only two at the peak."""
-        h = self.value()
+    def take(self, scale: float | None = None) -> torch.Tensor:
+        """value() (scale · the sum, where scale is given), made in the sum's own storage, which is then gone: the fp64
+        upper triangle holds at least as many bytes as the fp32 square, so no second C x C matrix exists. Row bands
+        are read in order; band b's fp32 rows end at byte 4·C·r1, never past where band b+1's fp64 rows start
+        (8·r1·(C - r0/2) bytes in), so each band is read before it is written over. Then the upper triangle is
+        mirrored below the diagonal."""
+        scale, cols = 2.0 / max(self.count, 1) if scale is None else scale, self.columns
+        h = self.sum.view(torch.float32)[:cols * cols].view(cols, cols)
+        for (r0, r1), band in zip(self.bands, self._views):
+            h[r0:r1, r0:] = (band * scale).float()
+        for r0, r1 in self.bands:
+            h[r1:, r0:r1] = h[r0:r1, r1:].T
         self.sum = self._views = None
         return h
 
@@ -86,27 +99,65 @@ def act_order_permutation(diag: torch.Tensor, span: int) -> torch.Tensor:
     return (rank[:, None] * span + within[rank]).flatten()
 
 
-def _upper_inverse_cholesky(box: list[torch.Tensor], damp: float, warn: Callable[[str], None]):
-    """The upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹. box: [H], handed over: H is damped in place and
-    freed once factored, so no more than two C x C matrices are alive at once (a 14k-wide down_proj's is 0.8 GB)."""
-    h = box.pop()
+def _upper_inverse_cholesky(h: torch.Tensor, damp: float, warn: Callable[[str], None]):
+    """The upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹, made in H's own storage: LAPACK factors and inverts
+    in place, so the solver never holds a second C x C matrix (a 28k-wide down_proj's is 3.3 GB). A failed
+    factorization leaves H overwritten, so H first goes to a temporary file, read back only to retry with more
+    damping (rare)."""
     diag = h.diagonal().clone()
     mean_diag = diag.mean()
-    for _ in range(4):
-        h.diagonal().copy_(diag).add_(damp * mean_diag)
-        lower, info = torch.linalg.cholesky_ex(h)
-        if info == 0:
-            del h
-            inverse = torch.cholesky_inverse(lower)
-            del lower
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+    f = h.T  # column-major, the layout LAPACK works in; H is symmetric, so the same matrix
+    info = torch.empty((), dtype=torch.int32, device=h.device)
+    with tempfile.TemporaryFile() as backup:
+        _spill(h, backup)
+        for attempt in range(4):
+            if attempt:
+                _restore(h, backup)
+            h.diagonal().copy_(diag).add_(damp * mean_diag)
+            torch.linalg.cholesky_ex(f, out=(f, info))
             if info == 0:
-                return upper, damp
-            h = torch.linalg.inv(inverse)  # rounding left H⁻¹ indefinite (rare): H again, to damp more
-            del inverse
-        warn(f"Hessian not positive definite at damp={damp:g}; retrying with damp={damp * 10:g}")
-        damp *= 10
+                torch.cholesky_inverse(f, out=f)
+                torch.linalg.cholesky_ex(f, upper=True, out=(f, info))  # rounding can leave H⁻¹ indefinite
+                if info == 0:
+                    return f, damp
+            warn(f"Hessian not positive definite at damp={damp:g}; retrying with damp={damp * 10:g}")
+            damp *= 10
     raise NotPositiveDefinite(f"Hessian not positive definite even at damp={damp / 10:g}")
+
+
+_SPILL_ROWS = 256  # rows per write and read: a few MB of host memory in transit, from the host or a GPU
+
+
+def _spill(h: torch.Tensor, file) -> None:
+    for rows in h.split(_SPILL_ROWS):
+        file.write(rows.cpu().numpy().tobytes())
+
+
+def _restore(h: torch.Tensor, file) -> None:
+    file.seek(0)
+    for rows in h.split(_SPILL_ROWS):
+        data = bytearray(file.read(rows.numel() * rows.element_size()))
+        rows.copy_(torch.frombuffer(data, dtype=rows.dtype).view(rows.shape))
+
+
+def _permute_(h: torch.Tensor, perm: torch.Tensor) -> None:
+    """h[perm][:, perm], in place: rows along the permutation's cycles (one row in hand), then each band of rows'
+    columns (one band in hand)."""
+    order, done = perm.tolist(), [False] * len(perm)
+    for start in range(len(order)):
+        if done[start] or order[start] == start:
+            continue
+        held, i = h[start].clone(), start
+        while True:
+            done[i] = True
+            j = order[i]
+            if j == start:
+                h[i] = held
+                break
+            h[i] = h[j]
+            i = j
+    for rows in h.split(_SPILL_ROWS):
+        rows.copy_(rows[:, perm])
 
 
 class GPTQ:
@@ -127,13 +178,10 @@ class GPTQ:
         h[self.dead, self.dead] = 1
         cols = h.shape[0]
         self.perm = act_order_permutation(torch.diag(h), spec.span(cols)) if act_order else None
-        if self.perm is not None:  # rows, then columns: two matrices at a time, not three
-            h = h[self.perm]
-            h = h[:, self.perm]
-        box = [h]
-        del h
-        with _one_thread(box[0].device):  # LAPACK's potri scales badly across CPU threads (10x slower on 2)
-            self.hinv, self.damp = _upper_inverse_cholesky(box, damp, warn)
+        if self.perm is not None:
+            _permute_(h, self.perm)
+        with _one_thread(h.device):  # LAPACK's potri scales badly across CPU threads (10x slower on 2)
+            self.hinv, self.damp = _upper_inverse_cholesky(h, damp, warn)
 
     @torch.no_grad()
     def quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, float]:
@@ -165,7 +213,7 @@ class GPTQ:
             wt = wt[perm]
         cols, rows = wt.shape
         span = spec.span(cols)
-        codes = torch.empty_like(wt)
+        codes = torch.empty(cols, rows, dtype=torch.uint8, device=wt.device)  # a block's codes stay float until done
         scale = torch.empty(spec.groups(cols), rows, device=wt.device)
         zero = torch.empty_like(scale)
         losses = torch.zeros(rows, device=wt.device)
@@ -174,9 +222,9 @@ class GPTQ:
             i2 = min(i1 + self.block_size, cols)
             w1, h1 = wt[i1:i2].clone(), hinv[i1:i2, i1:i2]
             diag = h1.diagonal().tolist()  # Python floats: one op less per column than indexing h1
-            err1 = torch.empty_like(w1)
+            err1, q1 = torch.empty_like(w1), torch.empty_like(w1)
             # each column's views made once per block, and every op in place: the loop is Python-bound
-            w_rows, h_rows, e_rows, q_rows = w1.unbind(), h1.unbind(), err1.unbind(), codes[i1:i2].unbind()
+            w_rows, h_rows, e_rows, q_rows = w1.unbind(), h1.unbind(), err1.unbind(), q1.unbind()
             for i in range(i2 - i1):
                 col = i1 + i
                 if col % span == 0:  # a new group starts: grid from its current (error-updated) weights
@@ -191,13 +239,14 @@ class GPTQ:
                 torch.sub(q, z, out=err).mul_(s)
                 torch.sub(w, err, out=err).div_(diag[i])  # (w - (q - z)·s) / [H⁻¹]ᵢᵢ
                 w1[i + 1:].addr_(h_rows[i][i + 1:], err, alpha=-1)
+            codes[i1:i2] = q1
             losses += err1.square().sum(0)  # halved once at the end: exact, as halving is
             wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)  # lazy batch update of the remaining columns
         if perm is not None:
             codes = codes[torch.argsort(perm)]
         losses /= 2
         qw = QuantizedWeight(
-            codes=codes.T.to(torch.uint8).cpu(),
+            codes=codes.T.cpu(),
             scale=scale.T.contiguous().to(SCALE_DTYPE).cpu(),
             zero=zero.T.contiguous().to(torch.uint8).cpu(),
             spec=spec,

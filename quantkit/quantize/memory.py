@@ -229,12 +229,10 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         elif any(s.name == "smoothquant" for s in recipe.stages):
             acts += 2 * batch * per_window
         widest_in = max((m.in_features for m in targets.values()), default=cfg.hidden_size)
-        if any(s.name == "awq" for s in recipe.stages):  # freed before the weight stage's Hessians exist
-            solver = widest_in * widest_in * (8 + 4)  # the Gram matrix of up -> down: fp64 sum + a window's fp32
-        if recipe.stage.name == "gptq":
-            # the Hessian's fp64 upper triangle (row bands) and, as it is taken, its fp32 matrix; then two C x C
-            # matrices at a time while act-order permutes and the factors are made (algorithms/gptq.py)
-            solver = max(solver, 8 * widest_in * widest_in + 4 * widest_in * Hessian.BAND)
+        # AWQ's Gram matrix of up -> down (freed before the weight stage's Hessians exist), GPTQ's Hessian of the
+        # widest input: the fp64 upper triangle, then the fp32 matrix made and factored in its storage (gptq.py)
+        if any(s.name == "awq" for s in recipe.stages) or recipe.stage.name == "gptq":
+            solver = Hessian.nbytes(widest_in)
     widest = max((m.weight.numel() for m in targets.values()), default=0)
     if recipe.stage.name == "gptq":
         # GPTQ on the widest weight: its float32 copy and error, uint8 codes, the int32 words they are packed from

@@ -331,7 +331,7 @@ class AwqPass:
         if len(m.linears) == 1 and m.inspect is m.linears[0]:
             gram = st.get("gram") or Hessian(channels, total.device)
             self.ranks.all_reduce(gram.sum)
-            st["gram"] = gram.full(1.0 / count)
+            st["gram"] = gram.take(1.0 / count)
         return st
 
     def apply(self, i: int, block: nn.Module) -> list[str]:
