@@ -124,6 +124,21 @@ def test_awq_in_batches_writes_the_one_forward_bytes(llama, tmp_path, monkeypatc
         assert want.keys() == have.keys() and all(want[k] == have[k] for k in want), fmt
 
 
+def test_batches_allocate_each_hessian_once(llama, tmp_path, monkeypatch):
+    """Over 3 batches, AWQ's Gram matrices and GPTQ's Hessians are made once per input, as in one forward: each is
+    a C x C fp64 sum, and one made per batch (then dropped) was a transient C x C at every call."""
+    from quantkit.algorithms.gptq import Hessian
+
+    made = []
+    init = Hessian.__init__
+    monkeypatch.setattr(Hessian, "__init__", lambda self, columns, *a, **kw: (made.append(columns),
+                                                                              init(self, columns, *a, **kw))[1])
+    run(monkeypatch, tmp_path, recipe(tmp_path, "one", llama, "awq+gptq"))
+    one, made[:] = sorted(made), []
+    run(monkeypatch, tmp_path, recipe(tmp_path, "batched", llama, "awq+gptq", "disk", 3))
+    assert sorted(made) == one and len(one) == 3 * 5  # per block: AWQ's up -> down Gram; q/k/v, o, gate/up, down
+
+
 def test_disk_offloaded_kill_and_resume_is_byte_identical(llama, tmp_path):
     whole = recipe(tmp_path, "whole", llama, "gptq")
     assert quantize(whole).returncode == 0

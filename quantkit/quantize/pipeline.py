@@ -163,8 +163,10 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.
 
 
 def _check_finite(hidden: torch.Tensor, where: str) -> None:
-    # an inf or NaN anywhere makes the fp32 sum non-finite; one reduction instead of a bool tensor the input's size
-    if not torch.isfinite(hidden.sum(dtype=torch.float32)):
+    # an inf or NaN anywhere makes the sum non-finite. Sums in fp32 (fp16's range could overflow), a few rows at a
+    # time: sum(dtype=float32) of a bf16 / fp16 tensor first makes a float32 copy of all of it
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if not all(torch.isfinite(part.sum(dtype=torch.float32)) for part in rows.split(256)):
         raise QuantkitError(
             f"calibration: non-finite activations {where} (fp16 overflow?); use dtype: bfloat16 or float32"
         )
@@ -597,7 +599,8 @@ def _gptq_passes(run, hidden: Activations, names: dict[nn.Linear, str], args: We
             key = next((n for n, r in earlier if r() is x), name)
             earlier.append((name, weakref.ref(x)))
             if key == name:
-                hessians.setdefault(key, _hessian(module, x.device, args))
+                if key not in hessians:  # (setdefault would allocate a C x C sum at every call)
+                    hessians[key] = _hessian(module, x.device, args)
                 _check_finite(x, f"entering {name}")
                 rows = xq
                 if rows.dim() == 2 and rows.shape[0] == forward["windows"] * forward["len"]:  # MoE flattens tokens

@@ -260,7 +260,9 @@ class AwqPass:
                 st["sum"] = st["sum"] + awq.activation_sum(x)
                 st["count"] += x.shape[0] * x.shape[1]
                 if gram:
-                    st.setdefault("gram", Hessian(x.shape[-1], x.device)).add(x)
+                    if "gram" not in st:
+                        st["gram"] = Hessian(x.shape[-1], x.device)
+                    st["gram"].add(x)
 
             return pre_hook
 
