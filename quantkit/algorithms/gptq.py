@@ -125,17 +125,17 @@ def _upper_inverse_cholesky(h: torch.Tensor, damp: float, warn: Callable[[str], 
     raise NotPositiveDefinite(f"Hessian not positive definite even at damp={damp / 10:g}")
 
 
-_SPILL_ROWS = 256  # rows per write and read: a few MB of host memory in transit, from the host or a GPU
+_CHUNK_ROWS = 256  # rows per copy, spill or permutation step: a few MB in transit, from the host or a GPU
 
 
 def _spill(h: torch.Tensor, file) -> None:
-    for rows in h.split(_SPILL_ROWS):
+    for rows in h.split(_CHUNK_ROWS):
         file.write(rows.cpu().numpy().tobytes())
 
 
 def _restore(h: torch.Tensor, file) -> None:
     file.seek(0)
-    for rows in h.split(_SPILL_ROWS):
+    for rows in h.split(_CHUNK_ROWS):
         data = bytearray(file.read(rows.numel() * rows.element_size()))
         rows.copy_(torch.frombuffer(data, dtype=rows.dtype).view(rows.shape))
 
@@ -156,7 +156,7 @@ def _permute_(h: torch.Tensor, perm: torch.Tensor) -> None:
                 break
             h[i] = h[j]
             i = j
-    for rows in h.split(_SPILL_ROWS):
+    for rows in h.split(_CHUNK_ROWS):
         rows.copy_(rows[:, perm])
 
 
@@ -187,7 +187,7 @@ class GPTQ:
     def quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, float]:
         """Returns the quantized weight (original column order) and GPTQ's loss Σ (w-q)²/(2·[H⁻¹]ᵢᵢ²)."""
         with _one_thread(self.hinv.device):  # thousands of tiny ops: CPU threads add only sync overhead
-            qw, losses = self._quantize(weight)
+            qw, losses = self._quantize([weight])
         return qw, float(losses.sum())
 
     @torch.no_grad()
@@ -195,7 +195,7 @@ class GPTQ:
         """quantize() of each weight, in one pass over their stacked rows: GPTQ treats rows independently, so the
         codes and scales are each weight's own (bit-identical, tested), at the cost of one column loop."""
         with _one_thread(self.hinv.device):
-            qw, losses = self._quantize(torch.cat(weights))
+            qw, losses = self._quantize(weights)
         out, start = [], 0
         for w in weights:
             rows = slice(start, start + w.shape[0])
@@ -204,13 +204,25 @@ class GPTQ:
             start += w.shape[0]
         return out
 
-    def _quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:
+    def _stacked_transpose(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """[W₁; W₂; …]ᵀ in fp32, its rows in act-order: a weight column is then a contiguous row, and the rank-1
+        updates are BLAS ger calls. Written into one buffer a few rows at a time, with no stacked, converted or
+        permuted copy beside it (a 70B down_proj's would add 0.47 GB in bf16 or 0.94 GB in fp32 at GPTQ's peak)."""
+        cols = self.hinv.shape[0]
+        wt = torch.empty(cols, sum(w.shape[0] for w in weights), device=self.hinv.device)
+        r0 = 0
+        for w in weights:
+            order = None if self.perm is None else self.perm.to(w.device)
+            for k in range(0, cols, _CHUNK_ROWS):
+                src = w.T[k:k + _CHUNK_ROWS] if order is None else w.T[order[k:k + _CHUNK_ROWS]]
+                wt[k:k + _CHUNK_ROWS, r0:r0 + w.shape[0]].copy_(src)
+            r0 += w.shape[0]
+        return wt
+
+    def _quantize(self, weights: list[torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor]:
         spec, hinv, perm = self.spec, self.hinv, self.perm
-        # Work on Wᵀ: a weight column is then a contiguous row, and the rank-1 updates are BLAS ger calls.
-        wt = weight.T.to(hinv.device, torch.float32, copy=True, memory_format=torch.contiguous_format)
-        wt[self.dead] = 0
-        if perm is not None:
-            wt = wt[perm]
+        wt = self._stacked_transpose(weights)
+        wt[self.dead if perm is None else self.dead[perm]] = 0
         cols, rows = wt.shape
         span = spec.span(cols)
         codes = torch.empty(cols, rows, dtype=torch.uint8, device=wt.device)  # a block's codes stay float until done
