@@ -106,51 +106,45 @@ def test_hessian_sums_only_the_upper_triangle_and_mirrors_it(cols):
     assert h.sum is None and solver.hinv.shape == (cols, cols)
 
 
-SOLVER_PEAK = """
+PEAK_RISE = """
 import torch
 from quantkit.algorithms.gptq import GPTQ, Hessian
 from quantkit.algorithms.grid import GridSpec
-cols = 4096
+cols = {cols}
 h = Hessian(cols)
 h.add(torch.randn(4, 64, cols) + torch.randn(4, 64, 1))  # correlated, full rank after damping
+{setup}
 kib = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
 before = kib("VmRSS")
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
-solver = GPTQ(h, GridSpec(4, 128, True), act_order=True)
-print((kib("VmHWM") - before) * 1024 / (4 * cols * cols))
+{measured}
+print((kib("VmHWM") - before) * 1024)
 """
+PEAK_COLS = 4096
+
+
+def peak_rise(measured: str, setup: str = "") -> int:
+    """Bytes the peak RSS of a fresh process rises by while `measured` runs, after a PEAK_COLS-wide Hessian h is summed
+    and `setup` has run."""
+    script = PEAK_RISE.format(cols=PEAK_COLS, setup=setup, measured=measured)
+    return int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
 
 
 def test_solver_holds_one_matrix_while_it_takes_permutes_and_factors():
     """Hessian.take, act-order's permutation and the three LAPACK steps all work in the Hessian sum's own storage:
     the peak rises by a small part of one C x C matrix (it rose by a whole one when each step made a new matrix)."""
-    out = subprocess.run([sys.executable, "-c", SOLVER_PEAK], capture_output=True, text=True, check=True).stdout
-    assert float(out) < 0.5  # 0.2 measured; 1.13 with a new matrix per step
-
-
-QUANTIZE_PEAK = """
-import torch
-from quantkit.algorithms.gptq import GPTQ, Hessian
-from quantkit.algorithms.grid import GridSpec
-cols = 4096
-h = Hessian(cols)
-h.add(torch.randn(4, 64, cols) + torch.randn(4, 64, 1))
-solver = GPTQ(h, GridSpec(4, 128, True), act_order=True)
-weights = [torch.randn(1024, cols, dtype=torch.bfloat16) for _ in range(2)]  # e.g. gate and up
-kib = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
-before = kib("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
-out = solver.quantize_many(weights)
-print((kib("VmHWM") - before) * 1024 / (2048 * cols))
-"""
+    rise = peak_rise("solver = GPTQ(h, GridSpec(4, 128, True), act_order=True)")
+    assert rise / (4 * PEAK_COLS * PEAK_COLS) < 0.5  # 0.2 measured; 1.13 with a new matrix per step
 
 
 def test_quantize_many_holds_one_fp32_copy_of_the_weights():
     """GPTQ's working copy of the stacked weights is written straight into one fp32 buffer in act-order: per weight
     the peak rises by its fp32 copy and its uint8 codes, twice while they are put back in order (6 bytes), not also
     by a stacked bf16 copy and a permuted fp32 one (10 measured when it did)."""
-    out = subprocess.run([sys.executable, "-c", QUANTIZE_PEAK], capture_output=True, text=True, check=True).stdout
-    assert float(out) < 8.5  # 7.0 measured
+    setup = ("solver = GPTQ(h, GridSpec(4, 128, True), act_order=True)\n"
+             "weights = [torch.randn(1024, cols, dtype=torch.bfloat16) for _ in range(2)]  # e.g. gate and up")
+    rise = peak_rise("out = solver.quantize_many(weights)", setup)
+    assert rise / (2048 * PEAK_COLS) < 8.5  # 7.0 measured
 
 
 def test_take_and_the_retry_give_the_out_of_place_results_bit_for_bit():
