@@ -73,6 +73,17 @@ class InMemory:
         block.load_state_dict(state, strict=True)
 
 
+def _own_memory(block: nn.Module) -> None:
+    """A block read onto the CPU in its stored dtype is a view of the mapped shard: its pages count in RSS as
+    file pages, and a weight GPTQ replaces keeps them resident beside its quantized copy until the whole block is
+    released (a bf16 block twice over at the run's peak). Copied into memory of its own (which GPTQ can also park on
+    disk, parking.py), the block leaves no mapping behind once the copies are made."""
+    for sub in block.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                sub._parameters[name] = nn.Parameter(p.detach().clone(), requires_grad=False)
+
+
 class Checkpoint:
     """A safetensors checkpoint's tensors by name. Files are opened only while a step reads from them: a handle
     maps its whole file, and every page a read touched would stay resident for as long as it is open."""
@@ -210,6 +221,8 @@ class Streamed:
     def load(self, i: int, block: nn.Module, device: torch.device) -> None:
         self._emit_before(i)
         self._load(self.block_keys(i), device)
+        if torch.device(device).type == "cpu":
+            _own_memory(block)
 
     def done(self, i: int, block: nn.Module, qweights: dict) -> None:
         """Block i is final: its tensors go to the writers, then the block and its entries of `qweights` (the run's,
