@@ -138,13 +138,14 @@ def test_solver_holds_one_matrix_while_it_takes_permutes_and_factors():
 
 
 def test_quantize_many_holds_one_fp32_copy_of_the_weights():
-    """GPTQ's working copy of the stacked weights is written straight into one fp32 buffer in act-order: per weight
-    the peak rises by its fp32 copy and its uint8 codes, twice while they are put back in order (6 bytes), not also
-    by a stacked bf16 copy and a permuted fp32 one (10 measured when it did)."""
+    """GPTQ's working copy of the stacked weights is written straight into one fp32 buffer in act-order, and the
+    codes straight into their original column order: per weight the peak rises by its fp32 copy and its uint8 codes
+    (and, once the fp32 copy is freed, each weight's own copy of its codes), not also by a reordered copy of the
+    codes (7 measured when it did), a stacked bf16 copy and a permuted fp32 one (10)."""
     setup = ("solver = GPTQ(h, GridSpec(4, 128, True), act_order=True)\n"
              "weights = [torch.randn(1024, cols, dtype=torch.bfloat16) for _ in range(2)]  # e.g. gate and up")
     rise = peak_rise("out = solver.quantize_many(weights)", setup)
-    assert rise / (2048 * PEAK_COLS) < 8.5  # 7.0 measured
+    assert rise / (2048 * PEAK_COLS) < 6.5  # 6.0 measured
 
 
 def test_take_and_the_retry_give_the_out_of_place_results_bit_for_bit():

@@ -199,7 +199,9 @@ class GPTQ:
         out, start = [], 0
         for w in weights:
             rows = slice(start, start + w.shape[0])
-            out.append((QuantizedWeight(codes=qw.codes[rows], scale=qw.scale[rows], zero=qw.zero[rows], spec=qw.spec),
+            # each weight's codes in a buffer of their own, as one weight's are: freed, or parked, on their own
+            codes = qw.codes[rows] if len(weights) == 1 else qw.codes[rows].clone()
+            out.append((QuantizedWeight(codes=codes, scale=qw.scale[rows], zero=qw.zero[rows], spec=qw.spec),
                         float(losses[rows].sum())))
             start += w.shape[0]
         return out
@@ -225,6 +227,7 @@ class GPTQ:
         wt[self.dead if perm is None else self.dead[perm]] = 0
         cols, rows = wt.shape
         span = spec.span(cols)
+        # in the original column order (act-order's column i1 + i is column perm[i1 + i]): no reordered copy beside it
         codes = torch.empty(cols, rows, dtype=torch.uint8, device=wt.device)  # a block's codes stay float until done
         scale = torch.empty(spec.groups(cols), rows, device=wt.device)
         zero = torch.empty_like(scale)
@@ -251,11 +254,9 @@ class GPTQ:
                 torch.sub(q, z, out=err).mul_(s)
                 torch.sub(w, err, out=err).div_(diag[i])  # (w - (q - z)·s) / [H⁻¹]ᵢᵢ
                 w1[i + 1:].addr_(h_rows[i][i + 1:], err, alpha=-1)
-            codes[i1:i2] = q1
+            codes[slice(i1, i2) if perm is None else perm[i1:i2]] = q1.to(torch.uint8)
             losses += err1.square().sum(0)  # halved once at the end: exact, as halving is
             wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)  # lazy batch update of the remaining columns
-        if perm is not None:
-            codes = codes[torch.argsort(perm)]
         losses /= 2
         qw = QuantizedWeight(
             codes=codes.T.cpu(),
