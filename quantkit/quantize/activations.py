@@ -31,7 +31,7 @@ class Offload:
 
     where: str = "device"
     batch_size: int | None = None  # None: every window in one batch
-    folder: Path | None = None  # disk: under which folder the files go
+    folder: Path | None = None  # under the output: where tensors spilled to disk go (disk batches, parking.py)
 
     def describe(self, windows: int) -> str:
         n = len(batches(windows, self.batch_size or windows))
@@ -44,13 +44,15 @@ def batches(windows: int, batch_size: int) -> list[slice]:
 
 class Activations:
     def __init__(self, where: str, device: torch.device, windows: int, batch_size: int, folder: Path | None = None):
-        """windows: this process's calibration windows; folder: where `disk` writes (created, removed by close)."""
+        """windows: this process's calibration windows; folder: where `disk` writes and GPTQ parks its inputs
+        (parking.py), removed by close when empty."""
         assert where in OFFLOADS
         self.where, self.device = where, device
         self.rows = batches(windows, batch_size)
+        self.spill = None if folder is None else Path(folder)
         self.folder = None
         if where == "disk":
-            self.folder = Path(folder) / f"{os.getpid()}"
+            self.folder = self.spill / f"{os.getpid()}"
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir(parents=True)
         self._in: list = [None] * len(self.rows)
@@ -127,7 +129,8 @@ class Activations:
     def close(self) -> None:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
-            try:  # the last process out removes the shared parent
-                self.folder.parent.rmdir()
+        if self.spill is not None:
+            try:  # the last process out removes the shared folder (parked files are unlinked when made)
+                self.spill.rmdir()
             except OSError:
                 pass

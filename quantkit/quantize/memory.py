@@ -14,10 +14,12 @@ The parts (bytes on top of the process as it starts):
   activations    the block's largest intermediate tensors during the forward of one batch of windows (the MLP's
                  and the attention's; calibration.batch_size). It runs in micro-batches (microbatches.py): one
                  micro-batch's temporaries, plus, where GPTQ keeps them in step, what every window holds at a barrier
+                 (on a CPU, a wide Linear's input is parked on disk instead: parking.py)
   solver         quantizing and packing the widest weight (float32 copies, codes, packed words); GPTQ adds the
                  Hessian of the widest input and its factors
   runtime        a fixed allowance for what the allocator keeps after a free, Python objects and lazily loaded code
   checkpoint     (disk) the hidden states each finished block saves to resume from
+  parked         (disk) what GPTQ parks at a wide Linear's barrier on a CPU: every window's inputs, the block
   artifact       (disk) every format's artifact, and the spool of the shard being written (export/artifact.py)
 On CUDA the block, activations and solver sit on the device and the rest on the host.
 `choose` tries the offloads in order (device, cpu, disk) and, for each, batches from every window down to one, and
@@ -40,7 +42,7 @@ from ..errors import QuantkitError
 from ..model import resolve_model_path
 from ..recipe import parse_size
 from .. import moe
-from . import microbatches
+from . import microbatches, parking
 from .activations import OFFLOADS, Offload
 from .transforms import MODULE_LOSS_TOKENS
 
@@ -201,18 +203,24 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         elt = _elt(model)
         per_window = c.seq_len * cfg.hidden_size * elt  # one window's hidden states
         inter = max((m.out_features for m in targets.values()), default=cfg.hidden_size)
+        widest_in = max((m.in_features for m in targets.values()), default=cfg.hidden_size)
         heads = getattr(cfg, "num_attention_heads", 1)
         attn = batch * heads * c.seq_len * c.seq_len * elt if \
             getattr(cfg, "_attn_implementation", "eager") == "eager" else 0
         # during a micro-batch's forward: the MLP's three widest activations and one hidden-sized temporary, the
         # attention; GPTQ's in-step micro-batches (dense blocks, no smoothing inside its forward) all hold the widest
-        # Linear's input, the residual and the MLP's input at a barrier
+        # Linear's input, the residual and the MLP's input at a barrier, unless that input is parked on disk
         micro = microbatches.size(batch, c.seq_len)
         attn = attn * micro // batch
         acts = micro * c.seq_len * elt * (3 * inter + cfg.hidden_size) + attn
         inline_smoothing = recipe.transforms and recipe.transforms[-1].name == "smoothquant"
         if recipe.stage.name == "gptq" and not moe.experts_of(model) and not inline_smoothing and micro < batch:
-            acts += batch * c.seq_len * elt * (inter + 2 * cfg.hidden_size)
+            parked = parking.worth_it(widest_in, device)
+            acts += batch * c.seq_len * elt * ((0 if parked else inter) + 2 * cfg.hidden_size)
+            if parked:  # every window's input to it (W8A8: and its quantized copy) and to the MLP, and the block
+                copies = 2 if getattr(weight_stage, "activations", None) is not None else 1
+                p.disk["parked"] = batch * c.seq_len * elt * (copies * widest_in + cfg.hidden_size) + block_bytes
+                p.advice["parked"] = "free disk space under export.output, or lower calibration.num_samples"
         hidden = 2 * c.num_samples * per_window  # every window entering and leaving the block
         if offload.where != "device":
             acts += 2 * batch * per_window  # the batch being read and the one being written, on the device
@@ -228,7 +236,6 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
                 * elt
         elif any(s.name == "smoothquant" for s in recipe.stages):
             acts += 2 * batch * per_window
-        widest_in = max((m.in_features for m in targets.values()), default=cfg.hidden_size)
         # AWQ's Gram matrix of up -> down (freed before the weight stage's Hessians exist), GPTQ's Hessian of the
         # widest input: the fp64 upper triangle, then the fp32 matrix made and factored in its storage (gptq.py)
         if any(s.name == "awq" for s in recipe.stages) or recipe.stage.name == "gptq":

@@ -28,6 +28,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from .. import moe
 from ..model import ROUTERS, block_linears, check_supported, decoder_blocks, matches
 from ..progress import Reporter, fmt_eta
 from ..recipe import MoE, Stage, WeightQuant
-from . import microbatches
+from . import microbatches, parking
 from . import transforms as transform_passes
 from .calibration import CalibrationSet
 from .activations import Activations, Offload
@@ -264,7 +265,9 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                 hidden.write(k, x)
                 del x  # captured on the host: on a GPU, a copy of every window that _blocks would keep alive
             hidden.advance()
-            for size in {len(c) for k in range(len(hidden)) for c in microbatches.split(tokens[hidden.rows[k]], micro)}:
+            # a micro-batch's call arguments at its size; one window's for the forward that learns a block's groups
+            for size in {1} | {len(c) for k in range(len(hidden)) for c in microbatches.split(tokens[hidden.rows[k]],
+                                                                                                 micro)}:
                 if size not in calls:  # a micro-batch's call arguments, at its size
                     calls[size] = capture_block_inputs(model, blocks, tokens[:size])[1]
         report.info(
@@ -287,8 +290,9 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
             checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks, moe_args: MoE,
             hidden: Activations, calls: dict, micro: int) -> None:
     """micro: windows per micro-batch (microbatches.py): every forward of a block runs a few windows at a time."""
-    # Linears (by name inside a block) that read one input, learned block by block
-    groups: dict[str, tuple[str, ...]] = {}
+    # Linears (by name inside a block) that read one input, for each kind of block (its Linears' names), learned
+    # from one window through the first block of that kind (_shared_inputs)
+    groups: dict[frozenset[str], dict[str, tuple[str, ...]]] = {}
     first = 0
     if checkpoints is not None and checkpoints.state["done"] >= 0:
         losses, extra = checkpoints.restore(blocks, source.restore, result.qweights, hidden)
@@ -333,6 +337,11 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 return out.value
             return run_parts
 
+        if stage.name == "gptq" and hidden.one_batch:  # one window through the first float block of each kind,
+            # before any pass or smoothing hook sees it
+            kind = groups.setdefault(frozenset(n.removeprefix(f"{prefix}.{i}.") for n in names.values()), {})
+            if not kind:
+                kind.update(_shared_inputs(run, hidden.read(0)[:1], names, f"{prefix}.{i}."))
         # SmoothQuant right before gptq smooths inside gptq's forward, one forward less per block (rtn rounds
         # every weight before its forward, so it needs the scales folded first; several batches need every batch's
         # statistics before the fold)
@@ -362,8 +371,8 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 # in step only where every micro-batch calls the same Linears (no experts) and no smoothing folds
                 # a scale inside the forward
                 step = micro if not experts and inline is None else None
-                run_all(lambda x: _gptq_block(run, x, names, stage.args, result, report, ranks, groups,
-                                              f"{prefix}.{i}.", moe_args, step))
+                run_all(lambda x: _gptq_block(run, x, names, stage.args, result, report, ranks, kind,
+                                              f"{prefix}.{i}.", moe_args, step, hidden.spill))
             else:
                 if stage.name == "gptq":
                     with report.timed("forward+quantize"):
@@ -381,9 +390,10 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
         block.to("cpu")
         if checkpoints is not None:
             with report.timed("checkpoint"):
-                own = {n: result.qweights[n] for n in names.values()}
                 extra = {"passes": [{k: getattr(p, k) for k in PASS_COUNTERS if hasattr(p, k)} for p in passes]}
-                checkpoints.save(i, block, own, {n: result.losses[n] for n in own}, hidden, extra)
+                # not kept in a local: the block's codes would stay alive through the next block
+                checkpoints.save(i, block, {n: result.qweights[n] for n in names.values()},
+                                 {n: result.losses[n] for n in names.values()}, hidden, extra)
         source.done(i, block, result.qweights)
         elapsed = time.perf_counter() - start
         eta = elapsed / (i + 1 - first) * (len(blocks) - i - 1)
@@ -421,14 +431,18 @@ def _act_quant_hooks(run, names: dict[nn.Linear, str], act: str | None):
 
 def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
                 report: Reporter, ranks: Ranks, groups: dict[str, tuple[str, ...]], block: str,
-                moe_args: MoE = MoE(), micro: int | None = None) -> torch.Tensor:
+                moe_args: MoE = MoE(), micro: int | None = None, spill: Path | None = None) -> torch.Tensor:
     """The block's one forward over `hidden` (every window), in micro-batches of `micro` windows that keep in step
     (None: all at once), solving each Linear at its first call. One Hessian and one factorization per input tensor:
     q/k/v and gate/up read one tensor, and so, when every expert sees every token, does every expert's gate/up. The
     last two inputs of each micro-batch are kept (an expert's gate/up input, then its down_proj input, then the
     next expert's gate/up input again).
-    groups: Linears that read one input, by name inside the block; learned from the blocks before and used to solve a
-    whole group at its first call, in one GPTQ pass (spread over the ranks). An expert Linear whose Hessian saw fewer
+    groups: Linears that read one input, by name inside the block, for this kind of block (_shared_inputs): a
+    whole group is solved at its first call, in one GPTQ pass (spread over the ranks), and its factorization freed
+    then. At a wide Linear (parking.py) every micro-batch parks its inputs in files under `spill` as it reaches the
+    barrier, the Hessian reads them back a window at a time, and they return just before the Linear runs; the
+    block's quantized weights wait there until they are read again: the solve meets neither every window's input
+    nor the block. An expert Linear whose Hessian saw fewer
     than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
     spec, act = result.info.spec, result.info.activations
     by_name = {n: m for m, n in names.items()}
@@ -436,27 +450,34 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     step = microbatches.InStep(len(parts))
     # per micro-batch, id(input) -> (a weak reference to it, what the Linear reads (W8A8: quantized), its entry)
     seen_inputs: list[OrderedDict[int, tuple]] = [OrderedDict() for _ in parts]
-    arrived: list = [None] * len(parts)  # each micro-batch's (name, input) at the barrier
+    # each micro-batch's inputs on disk while a wide Linear is solved, and the block's quantized weights (its forward
+    # is past them)
+    parked = [parking.Parked(spill) for _ in parts]
+    parked_weights = parking.Parked(spill)
+    arrived: list = [None] * len(parts)  # each micro-batch's input at the barrier
     made: dict = {}  # the entry the last barrier made
-    seen: list[list[str]] = []
     window_len = hidden.shape[1]
 
-    def new_entry(module: nn.Linear) -> None:
-        """At a barrier: the Hessian of every micro-batch's input, in window order."""
-        name = arrived[0][0]
+    def new_entry(module: nn.Linear, name: str) -> None:
+        """At a barrier: the Hessian of every micro-batch's input, in window order (a parked one is read back for
+        its term, one at a time: the Hessian never meets every input in memory)."""
+        if parking.worth_it(module.in_features, arrived[0].device):
+            for n, m in by_name.items():
+                if n in result.qweights:  # its dequantized weight and its codes: read again only by a second
+                    parked_weights.park(m.weight)  # call (restored then) and by the block's checkpoint and export
+                    parked_weights.park(result.qweights[n].codes)
         with report.timed("hessian+gptq"):
-            h = _hessian(module, arrived[0][1].device, args)
-            for part, (_, xq) in zip(parts, arrived):
-                if xq.dim() == 2 and xq.shape[0] == part.shape[0] * window_len:  # MoE MLPs flatten the tokens
-                    xq = xq.view(part.shape[0], window_len, -1)  # per window, as the Hessian sums them
-                h.add(xq)
+            h = _hessian(module, arrived[0].device, args)
+            for c, part in enumerate(parts):
+                flat = arrived[c].dim() == 2 and arrived[c].shape[0] == part.shape[0] * window_len  # MoE MLPs
+                for xq in parked[c].pieces(arrived[c], window_len if flat else 1):  # flatten the tokens
+                    h.add(xq.view(-1, window_len, xq.shape[-1]) if flat else xq)  # per window, as the sum goes
             if ranks.active:  # the sums and token counts of every rank's share
                 ranks.all_reduce(h.sum)
                 h.count = int(ranks.all_reduce(torch.tensor([h.count], dtype=torch.float64)).item())
-        st = {"h": h, "solver": None, "rtn": None, "count": h.count, "names": []}
+        st = {"h": h, "solver": None, "rtn": None, "count": h.count}
         if h.count < moe_args.min_tokens and ".experts." in name:
             st.update(h=None, rtn=h.count)
-        seen.append(st["names"])
         made["entry"] = st
 
     def entry_for(module: nn.Linear, x: torch.Tensor, name: str) -> tuple[torch.Tensor, dict]:
@@ -468,8 +489,12 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
         # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
         xq = x if act is None else fake_quantize_tokens(x, act)
-        arrived[c] = (name, xq)
-        step.barrier(name, lambda: new_entry(module))
+        arrived[c] = xq
+        if parking.worth_it(module.in_features, xq.device):  # until this micro-batch's Linear runs, with the
+            earlier = [t for ref, q, _ in seen_inputs[c].values() for t in (ref(), q) if t is not None]  # inputs
+            for t in {id(t): t for t in (x, xq, *earlier)}.values():  # of its earlier Linears still alive
+                parked[c].park(t)
+        step.barrier(name, lambda: new_entry(module, name))
         arrived[c] = None
         st = made["entry"]
         seen_inputs[c][id(x)] = (weakref.ref(x), None if act is None else xq, st)
@@ -489,9 +514,15 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         name, x = names[module], inputs[0]
         if moe.replaying(module):  # an expert's routed call: its tokens were all counted in the first call
             return None if act is None else (fake_quantize_tokens(x, act), *inputs[1:])
+        if parked_weights.holds(module.weight):  # a quantized Linear called again
+            parked_weights.restore()
+        try:
+            return solved(module, name, x, inputs)
+        finally:  # the Linear reads its input next
+            parked[step.index].restore()
+
+    def solved(module: nn.Linear, name: str, x: torch.Tensor, inputs: tuple) -> tuple | None:
         xq, st = entry_for(module, x, name)
-        if step.index == 0:
-            st["names"].append(name.removeprefix(block))
         if name not in result.qweights:  # a Linear called twice in one forward is quantized once
             with report.timed("hessian+gptq"):
                 if st.get("rtn") is not None:  # too few routed tokens for a Hessian worth solving
@@ -502,6 +533,9 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                 owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in todo})
                 mine = solve(st, [n for n in todo if owner[n] == ranks.rank], name)
                 _install(todo, mine, owner, by_name, st["count"], result, ranks)
+                group = groups.get(name.removeprefix(block))
+                if group is not None and all(block + m in result.qweights for m in group if block + m in by_name):
+                    st["solver"] = None  # no other Linear of this kind of block reads this input: H⁻¹ can go now
         return None if act is None else (xq, *inputs[1:])
 
     out = microbatches.Output(parts)
@@ -514,10 +548,33 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             handle.remove()
         seen_inputs.clear()
         made.clear()
-    # what this block taught about which Linears read one input (a dense first block says nothing about experts)
-    groups.update({m: tuple(g) for g in seen for m in g if m not in groups})
+        parked_weights.restore()
     _unreached(names, args, result, report)
     return out.value
+
+
+def _shared_inputs(run, window: torch.Tensor, names: dict[nn.Linear, str], block: str) -> dict[str, tuple[str, ...]]:
+    """Which Linears read one input tensor (q/k/v, gate/up, every expert's gate/up when every expert sees every
+    token), by name inside the block: one window through the float block, each Linear's input compared by identity.
+    A block's code is the same for every window, so the groups are the whole forward's."""
+    readers: dict[int, list[str]] = {}
+    inputs = []  # alive until the end, so that no id is reused
+
+    def hook(module: nn.Linear, args: tuple) -> None:
+        if moe.replaying(module):
+            return
+        inputs.append(args[0])
+        group = readers.setdefault(id(args[0]), [])
+        if names[module].removeprefix(block) not in group:
+            group.append(names[module].removeprefix(block))
+
+    handles = [m.register_forward_pre_hook(hook) for m in names]
+    try:
+        run(window)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {m: tuple(g) for g in readers.values() for m in g}
 
 
 def _hessian(module: nn.Linear, device: torch.device, args: WeightQuant) -> Hessian:
