@@ -245,6 +245,21 @@ def test_quantize_many_is_each_weight_quantized_alone_bit_for_bit():
         assert torch.equal(one.zero, many.zero) and many_loss == pytest.approx(loss, rel=1e-5)
 
 
+def test_release_empties_each_weights_own_storage_once_copied_and_keeps_the_bits():
+    """release=True (the pipeline swaps the quantized weights in right after): a weight that is all of its storage
+    is emptied, one that shares its storage (a view of a fused tensor) is left alone; the results do not change."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1024, 128, generator=g)
+    solver = GPTQ(x.T @ x * 2 / 1024, GridSpec(4, 64, True), act_order=True)
+    fused = torch.randn(96, 128, generator=g)
+    weights = [torch.randn(64, 128, generator=g), fused[32:]]
+    kept = solver.quantize_many([w.clone() for w in weights])
+    released = solver.quantize_many(weights, release=True)
+    assert weights[0].untyped_storage().nbytes() == 0 and fused.untyped_storage().nbytes() == 96 * 128 * 4
+    for (a, la), (b, lb) in zip(kept, released):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and la == lb
+
+
 @pytest.mark.parametrize("spec", [GridSpec(4, 64, True), GridSpec(4, 64, False), GridSpec(3, -1, True)], ids=str)
 def test_mse_observer_clips_outliers_and_never_loses_to_minmax(spec):
     from quantkit.algorithms.grid import find_params, mse_params, quantize_codes

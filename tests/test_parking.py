@@ -61,8 +61,8 @@ def quantize(monkeypatch, tmp_path: Path, name: str, model: Path, min_hessian: i
 def test_at_a_wide_linears_solve_its_inputs_and_the_blocks_quantized_weights_are_parked(llama, tmp_path,
                                                                                          monkeypatch):
     """down_proj (128 wide; the tiny model's only wide input here): when its solve starts, every micro-batch's
-    input to it is on disk, the only 2-D weight in memory is down_proj's own, no other Linear's codes are in memory
-    and no other solver's H⁻¹ is alive,
+    input to it and the block's input are on disk, the only 2-D weight in memory is down_proj's own, no other
+    Linear's codes are in memory and no other solver's H⁻¹ is alive,
     in the first block too (its groups are learned before its forward). The bytes are those of a run that parks
     nothing."""
     config = json.loads((llama / "config.json").read_text())
@@ -80,9 +80,10 @@ def test_at_a_wide_linears_solve_its_inputs_and_the_blocks_quantized_weights_are
             solvers = [o for o in gc.get_objects() if isinstance(o, gptq.GPTQ)]
             codes = [t for t in live if t.dtype == torch.uint8 and t.dim() == 2 and t.shape[1] >= hidden  # not zeros
                      and t.untyped_storage().nbytes() > 0]
+            block_input = [t for t in live if tuple(t.shape) == (8, 64, hidden) and t.untyped_storage().nbytes() > 0]
             seen.append((len(inputs), sum(t.untyped_storage().nbytes() for t in inputs),
                          [tuple(w.shape) for w in weights], len(solvers),
-                         len({t.untyped_storage().data_ptr() for t in codes})))
+                         len({t.untyped_storage().data_ptr() for t in codes}), len(block_input)))
         return solver(h, *args)
 
     monkeypatch.setattr(pipeline, "_solver", checked)
@@ -95,12 +96,13 @@ def test_at_a_wide_linears_solve_its_inputs_and_the_blocks_quantized_weights_are
     spill = tmp_path / "parked" / ".quantkit-activations"
     assert folders and set(folders) == {spill} and not spill.exists()
     assert parked["summary"]["memory"]["plan"]["disk"]["parked"] > 0
-    # 3 micro-batches' inputs, all empty, and none of the 6 quantized Linears' codes, in each of 3 blocks
-    assert seen == [(3, 0, [(hidden, inter)], 0, 0)] * 3
+    # 3 micro-batches' inputs, all empty, none of the 6 quantized Linears' codes and not the block's input (8
+    # windows of 64 tokens), in each of 3 blocks
+    assert seen == [(3, 0, [(hidden, inter)], 0, 0, 0)] * 3
     seen.clear()
     kept = quantize(monkeypatch, tmp_path, "kept", llama, 1 << 62)
     # without parking: the inputs, the whole block and its codes are resident
-    assert seen[0][1] > 0 and len(seen[0][2]) == 7 and seen[0][4] == 6
+    assert seen[0][1] > 0 and len(seen[0][2]) == 7 and seen[0][4] == 6 and seen[0][5] >= 1
     assert parked["bytes"] == kept["bytes"]
     assert parked["summary"]["loss_total"] == kept["summary"]["loss_total"]
 
@@ -110,6 +112,11 @@ def test_every_block_solves_each_group_of_linears_in_one_pass(llama, tmp_path, m
     as well (before, block 0 learned the groups by solving q, k, v, gate and up one by one)."""
     passes = []
     many = gptq.GPTQ.quantize_many
-    monkeypatch.setattr(gptq.GPTQ, "quantize_many", lambda self, ws: (passes.append(len(ws)), many(self, ws))[1])
+
+    def counted(self, ws, **kw):
+        passes.append(len(ws))
+        return many(self, ws, **kw)
+
+    monkeypatch.setattr(gptq.GPTQ, "quantize_many", counted)
     quantize(monkeypatch, tmp_path, "groups", llama, 1 << 62)
     assert passes == [3, 1, 2, 1] * 3

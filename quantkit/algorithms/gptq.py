@@ -191,11 +191,13 @@ class GPTQ:
         return qw, float(losses.sum())
 
     @torch.no_grad()
-    def quantize_many(self, weights: list[torch.Tensor]) -> list[tuple[QuantizedWeight, float]]:
+    def quantize_many(self, weights: list[torch.Tensor], release: bool = False) -> list[tuple[QuantizedWeight, float]]:
         """quantize() of each weight, in one pass over their stacked rows: GPTQ treats rows independently, so the
-        codes and scales are each weight's own (bit-identical, tested), at the cost of one column loop."""
+        codes and scales are each weight's own (bit-identical, tested), at the cost of one column loop.
+        release: nothing reads the weights afterwards (the caller swaps the quantized ones in): each one's storage is
+        emptied as soon as it is copied, where the storage is the weight's own, so the solve does not hold it."""
         with _one_thread(self.hinv.device):
-            qw, losses = self._quantize(weights)
+            qw, losses = self._quantize(weights, release)
         out, start = [], 0
         for w in weights:
             rows = slice(start, start + w.shape[0])
@@ -206,7 +208,7 @@ class GPTQ:
             start += w.shape[0]
         return out
 
-    def _stacked_transpose(self, weights: list[torch.Tensor]) -> torch.Tensor:
+    def _stacked_transpose(self, weights: list[torch.Tensor], release: bool = False) -> torch.Tensor:
         """[W₁; W₂; …]ᵀ in fp32, its rows in act-order: a weight column is then a contiguous row, and the rank-1
         updates are BLAS ger calls. Written into one buffer a few rows at a time, with no stacked, converted or
         permuted copy beside it (a 70B down_proj's would add 0.47 GB in bf16 or 0.94 GB in fp32 at GPTQ's peak)."""
@@ -219,11 +221,14 @@ class GPTQ:
                 src = w.T[k:k + _CHUNK_ROWS] if order is None else w.T[order[k:k + _CHUNK_ROWS]]
                 wt[k:k + _CHUNK_ROWS, r0:r0 + w.shape[0]].copy_(src)
             r0 += w.shape[0]
+            storage = w.untyped_storage()
+            if release and storage.resizable() and storage.nbytes() == w.nbytes:  # not a mapped file's, nor shared
+                storage.resize_(0)
         return wt
 
-    def _quantize(self, weights: list[torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor]:
+    def _quantize(self, weights: list[torch.Tensor], release: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
         spec, hinv, perm = self.spec, self.hinv, self.perm
-        wt = self._stacked_transpose(weights)
+        wt = self._stacked_transpose(weights, release)
         wt[self.dead if perm is None else self.dead[perm]] = 0
         cols, rows = wt.shape
         span = spec.span(cols)

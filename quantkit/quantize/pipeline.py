@@ -454,6 +454,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     # is past them)
     parked = [parking.Parked(spill) for _ in parts]
     parked_weights = parking.Parked(spill)
+    parked_input = parking.Parked(spill)  # and the block's input (every window), until the forward goes on
     arrived: list = [None] * len(parts)  # each micro-batch's input at the barrier
     made: dict = {}  # the entry the last barrier made
     window_len = hidden.shape[1]
@@ -466,6 +467,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                 if n in result.qweights:  # its dequantized weight and its codes: read again only by a second
                     parked_weights.park(m.weight)  # call (restored then) and by the block's checkpoint and export
                     parked_weights.park(result.qweights[n].codes)
+            parked_input.park(hidden)
         with report.timed("hessian+gptq"):
             h = _hessian(module, arrived[0].device, args)
             for c, part in enumerate(parts):
@@ -508,7 +510,8 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             st["solver"] = _solver(st.pop("h"), args, spec, report, first)
         if not todo:
             return {}
-        return dict(zip(todo, st["solver"].quantize_many([by_name[n].weight.data for n in todo])))
+        # the float weights are swapped out right after (_install): the solve need not hold them
+        return dict(zip(todo, st["solver"].quantize_many([by_name[n].weight.data for n in todo], release=True)))
 
     def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
         name, x = names[module], inputs[0]
@@ -518,8 +521,9 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             parked_weights.restore()
         try:
             return solved(module, name, x, inputs)
-        finally:  # the Linear reads its input next
-            parked[step.index].restore()
+        finally:  # the Linear reads its input next, and a parallel block (attention and MLP side by side) the
+            parked[step.index].restore()  # block's input after it
+            parked_input.restore()
 
     def solved(module: nn.Linear, name: str, x: torch.Tensor, inputs: tuple) -> tuple | None:
         xq, st = entry_for(module, x, name)
@@ -549,6 +553,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         seen_inputs.clear()
         made.clear()
         parked_weights.restore()
+        parked_input.restore()
     _unreached(names, args, result, report)
     return out.value
 
