@@ -36,8 +36,13 @@ def test_a_parked_tensor_is_emptied_read_back_in_pieces_and_restored_bit_exact()
     assert [tuple(x.shape) for x in pieces] == [(2, 7, 9), (2, 7, 9), (1, 7, 9)]
     assert torch.equal(torch.cat(pieces), want)
     assert list(p.pieces(view, 1)) == [view]  # not parked: itself
+    codes = torch.randint(0, 16, (6, 8), dtype=torch.uint8).T  # GPTQ's codes: a transpose, all of its storage
+    codes_want = codes.clone()
+    p.park(codes)
+    assert codes.untyped_storage().nbytes() == 0 and p.holds(codes)
+    assert torch.equal(torch.cat(list(p.pieces(codes, 3))), codes_want)  # not in row order on disk: read whole
     p.restore()
-    assert torch.equal(t, want) and not p.holds(t)
+    assert torch.equal(t, want) and not p.holds(t) and torch.equal(codes, codes_want)
     t.add_(1)  # its storage is an ordinary one again
     assert torch.equal(t, want + 1)
 
@@ -62,9 +67,8 @@ def test_at_a_wide_linears_solve_its_inputs_and_the_blocks_quantized_weights_are
                                                                                          monkeypatch):
     """down_proj (128 wide; the tiny model's only wide input here): when its solve starts, every micro-batch's
     input to it and the block's input are on disk, the only 2-D weight in memory is down_proj's own, no other
-    Linear's codes are in memory and no other solver's H⁻¹ is alive,
-    in the first block too (its groups are learned before its forward). The bytes are those of a run that parks
-    nothing."""
+    Linear's codes are in memory and no other solver's H⁻¹ is alive, in the first block too (its groups are learned
+    before its forward). The bytes are those of a run that parks nothing."""
     config = json.loads((llama / "config.json").read_text())
     inter, hidden = config["intermediate_size"], config["hidden_size"]
     seen = []

@@ -49,13 +49,16 @@ class Parked:
         self._items.append((t, storage, storage.nbytes(), f))
         storage.resize_(0)
 
+    def _item(self, t: torch.Tensor) -> tuple | None:
+        return next((i for i in self._items if i[0] is t), None)
+
     def holds(self, t: torch.Tensor) -> bool:
-        return any(i[0] is t for i in self._items)
+        return self._item(t) is not None
 
     def pieces(self, t: torch.Tensor, rows: int):
         """t's values, `rows` along its first dimension at a time: t itself if it is not parked, else read from the
         file a piece at a time (t spans its storage, so its bytes are the file's in order when t is contiguous)."""
-        item = next((i for i in self._items if i[0] is t), None)
+        item = self._item(t)
         if item is None:
             yield t
             return

@@ -265,9 +265,11 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                 hidden.write(k, x)
                 del x  # captured on the host: on a GPU, a copy of every window that _blocks would keep alive
             hidden.advance()
-            # a micro-batch's call arguments at its size; one window's for the forward that learns a block's groups
-            for size in {1} | {len(c) for k in range(len(hidden)) for c in microbatches.split(tokens[hidden.rows[k]],
-                                                                                                 micro)}:
+            # a micro-batch's call arguments at its size; GPTQ: one window's, for the forward that learns a block's
+            # groups (_shared_inputs)
+            learn = {1} if stage.name == "gptq" and hidden.one_batch else set()
+            for size in learn | {len(c) for k in range(len(hidden)) for c in microbatches.split(tokens[hidden.rows[k]],
+                                                                                                micro)}:
                 if size not in calls:  # a micro-batch's call arguments, at its size
                     calls[size] = capture_block_inputs(model, blocks, tokens[:size])[1]
         report.info(

@@ -77,10 +77,11 @@ def _own_memory(block: nn.Module) -> None:
     """A block read onto the CPU in its stored dtype is a view of the mapped shard: its pages count in RSS as
     file pages, and a weight GPTQ replaces keeps them resident beside its quantized copy until the whole block is
     released (a bf16 block twice over at the run's peak). Copied into memory of its own (which GPTQ can also park on
-    disk, parking.py), the block leaves no mapping behind once the copies are made."""
+    disk, parking.py), the block leaves no mapping behind once the copies are made. A tensor cast on the way in
+    is in memory of its own already; a mapped one's storage cannot be resized, which tells them apart."""
     for sub in block.modules():
         for name, p in sub._parameters.items():
-            if p is not None:
+            if p is not None and not p.untyped_storage().resizable():
                 sub._parameters[name] = nn.Parameter(p.detach().clone(), requires_grad=False)
 
 
