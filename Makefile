@@ -52,8 +52,8 @@ bench: setup  ## memory and tokens/s of $(OUT)/gptq against the original on this
 release: setup  ## quantize -> eval -> bench -> gates -> model card for RECIPE (re-runs skip finished steps)
 	quantkit release $(RECIPE)
 
-gpu-suite:  ## the prepared H200 suite, smoke-tested on this CPU (SMOKE=1); on a GPU run bench/gpu_suite.sh directly
-	SMOKE=1 OUT=out/gpu-smoke WORK=out/gpu-smoke/work bash bench/gpu_suite.sh
+gpu-suite:  ## the prepared H200 suite, smoke-tested on this CPU (SMOKE=1); on a GPU run benchmarks/gpu_suite.sh directly
+	SMOKE=1 OUT=out/gpu-smoke WORK=out/gpu-smoke/work bash benchmarks/gpu_suite.sh
 
 # vLLM pins its own transformers / compressed-tensors: it gets a venv of its own, never quantkit's environment
 $(VLLM_STAMP):

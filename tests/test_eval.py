@@ -127,11 +127,11 @@ def test_summary_matches_numpy_over_all_windows():
 
 
 def test_paired_comparison_separates_a_shift_from_noise():
-    """bench/paired.py: a model worse on every window by 1 % is `worse` with a tight interval; one that differs by
+    """benchmarks/paired.py: a model worse on every window by 1 % is `worse` with a tight interval; one that differs by
     noise alone is a `tie`; windows that do not line up are refused."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("paired", Path(__file__).parents[1] / "bench" / "paired.py")
+    spec = importlib.util.spec_from_file_location("paired", Path(__file__).parents[1] / "benchmarks" / "paired.py")
     paired = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paired)
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ Each artifact must
   - reload in transformers, for the formats it reads, with logits matching (weight-only formats: its own load;
     W8A8: dequantized weights, as its CPU path runs them), and
   - for GPTQ and AWQ, be closer to the float model than RTN at the same settings.
-Every row is also written to $QUANTKIT_MATRIX (a JSON-lines file) when set: `python bench/support_matrix.py` runs
+Every row is also written to $QUANTKIT_MATRIX (a JSON-lines file) when set: `python benchmarks/support_matrix.py` runs
 this module that way and renders README's support matrix from what the tests measured.
 """
 

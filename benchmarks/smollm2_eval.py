@@ -1,7 +1,7 @@
 """SmolLM2-135M: the original vs every bundled recipe, in one `quantkit report` (perplexity, KLD vs the
 original, same-top %, lm-eval lambada_openai / arc_easy, generation agreement, plots).
 
-    python bench/smollm2_eval.py [--max-tokens 32768] [--tasks lambada_openai,arc_easy] [--limit N]
+    python benchmarks/smollm2_eval.py [--max-tokens 32768] [--tasks lambada_openai,arc_easy] [--limit N]
                                  [--out out/bench-eval] [--requantize]
 
 Quantizes each recipe with the `quantkit` CLI (reusing an existing artifact unless --requantize), then runs

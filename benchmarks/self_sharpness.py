@@ -7,7 +7,7 @@ Per artifact (and the original), on the self windows and on WikiText-2 test: per
 next-token distribution, the mean mass it puts outside the original's 0.95 nucleus, and perplexity of its
 distribution tempered to each of --temperatures.
 
-    python bench/self_sharpness.py ARTIFACT [ARTIFACT ...] [--json FILE]
+    python benchmarks/self_sharpness.py ARTIFACT [ARTIFACT ...] [--json FILE]
 """
 
 from __future__ import annotations

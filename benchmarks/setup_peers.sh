@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create the two peer-toolkit venvs that bench/peer_gptq.py compares quantkit against.
+# Create the two peer-toolkit venvs that benchmarks/peer_gptq.py compares quantkit against.
 #
 #   /work/peers/llmc       llmcompressor 0.14.x  (vLLM's llm-compressor)  + torch 2.13.0 CPU
 #   /work/peers/gptqmodel  gptqmodel 7.6.0 (ModelCloud GPTQModel)          + torch 2.13.0 CPU
@@ -10,7 +10,7 @@
 # nothing is compiled at install; it JIT-compiles one small C++ op (pack_block_cpu, ~60 s on 2
 # cores) on first use into ~/.cache/gptqmodel, which this script warms so the bench doesn't time it.
 #
-# Usage: bash bench/setup_peers.sh [ROOT]     (ROOT defaults to $PEERS_ROOT or /work/peers)
+# Usage: bash benchmarks/setup_peers.sh [ROOT]     (ROOT defaults to $PEERS_ROOT or /work/peers)
 set -euo pipefail
 
 ROOT="${1:-${PEERS_ROOT:-/work/peers}}"

@@ -3,7 +3,7 @@
 # carries it with carry: [".whl"]). Run here, once:
 #   - wheels: pydantic, compressed-tensors, greenlet and their needs;
 #   - .whl/smollm2-tokenizer: the bundled model's tokenizer, saved (the image has no GGUF reader), for
-#     bench/stream_memory.py's synthetic checkpoint.
+#     benchmarks/stream_memory.py's synthetic checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

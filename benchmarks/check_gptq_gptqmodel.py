@@ -1,11 +1,11 @@
 """Independent check of a quantkit `gptq` artifact: load it with GPTQModel (the loader transformers uses
 for GPTQ checkpoints; torch backend, CPU) and compare with quantkit's runtime.
 
-    python bench/check_gptq_gptqmodel.py out/smollm2-135m-gptq-w4a16/gptq [--python /work/peers/gptqmodel/bin/python]
+    python benchmarks/check_gptq_gptqmodel.py out/smollm2-135m-gptq-w4a16/gptq [--python /work/peers/gptqmodel/bin/python]
 
 Two comparisons: every quantized Linear's dequantized weight (GPTQModel's TorchLinear.dequantize_weight
 vs quantkit's, both float16), and the logits on a fixed batch of WikiText-2 tokens (GPTQModel in float16,
-quantkit's runtime in float32 and in float16). GPTQModel runs in its own venv (bench/setup_peers.sh).
+quantkit's runtime in float32 and in float16). GPTQModel runs in its own venv (benchmarks/setup_peers.sh).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Each shipped recipe (recipes/smollm2-135m-<method>.yaml) is quantized once per c
 `quantkit report` against the GGUF original on every bundled domain plus any --heldout files (text none of the
 bundled data covers). The markdown table gives perplexity and mean KLD per domain.
 
-    python bench/domains.py --methods gptq-w4a16,rtn-w4a16,awq-w4a16 --calibrations wikitext2,mixture \\
+    python benchmarks/domains.py --methods gptq-w4a16,rtn-w4a16,awq-w4a16 --calibrations wikitext2,mixture \\
         --heldout /tmp/pyref.txt --out /tmp/domains
 
 Held-out text used for BENCHMARKS.md: the Python Language Reference topics that CPython ships

@@ -1,6 +1,6 @@
 """What `quantkit eval --base` costs over a plain transformers forward on the same tokens.
 
-    python bench/eval_overhead.py ARTIFACT --base ORIGINAL [--max-tokens 16384] [--seq-len 2048] [--reps 3]
+    python benchmarks/eval_overhead.py ARTIFACT --base ORIGINAL [--max-tokens 16384] [--seq-len 2048] [--reps 3]
 
 (a) in process, same loaded model: a bare `model(input_ids=window).logits` loop vs quantkit's model pass
     (forward + log-softmax + KLD / top-token / Δp against the cached base top-k), interleaved, median of reps;

@@ -10,7 +10,7 @@ without it the MoE families are reported as blocked, not served. With it, its in
 (quantkit.engines.vllm.MOE_W4A8), so MoE W4A16 tokens agree less than dense W4A16's; dense W4A16 runs as written
 (the worker sets VLLM_CPU_INT4_W4A8=0).
 
-    python bench/vllm_families.py --vllm-python /work/venvs/vllm/bin/python [--families llama,qwen3_moe]
+    python benchmarks/vllm_families.py --vllm-python /work/venvs/vllm/bin/python [--families llama,qwen3_moe]
 
 vLLM is driven through quantkit's own worker (`quantkit.engines.vllm.VllmEngine`), one process for every artifact.
 """

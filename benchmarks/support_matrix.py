@@ -2,8 +2,8 @@
 random model of that family) with QUANTKIT_MATRIX set, so each passing test writes what it checked, and renders
 those rows between the support-matrix markers in README.md.
 
-    python bench/support_matrix.py            # ~7 min on 2 cores
-    python bench/support_matrix.py --rows F   # render from an earlier run's rows (JSON lines) without testing
+    python benchmarks/support_matrix.py            # ~7 min on 2 cores
+    python benchmarks/support_matrix.py --rows F   # render from an earlier run's rows (JSON lines) without testing
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Per domain and each artifact against the reference (the first one, or --ref), th
 exp(mean Δ NLL) and the KLD difference, each with a 95 % interval (± 1.96 standard errors of the mean over
 windows), and a verdict: `worse` / `better` when the interval excludes zero, else `tie`.
 
-    python bench/paired.py OUT/report.json [more eval JSONs...] [--ref SUBSTRING] [--markdown FILE]
+    python benchmarks/paired.py OUT/report.json [more eval JSONs...] [--ref SUBSTRING] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = compare(ref, other)
         if not rows:
             raise SystemExit(f"error: {other['model']}: no domain with per-window results shared with the reference "
-                             "(scored by a quantkit older than bench/paired.py, or without --base?)")
+                             "(scored by a quantkit older than benchmarks/paired.py, or without --base?)")
         tables.append(markdown(ref, other, rows))
     text = "\n\n".join(tables)
     print(text)

@@ -1,7 +1,7 @@
 """One process against several: `quantkit quantize --nproc N` on the bundled SmolLM2-135M, GPTQ W4 g64 with
 act-order (the shipped recipe's grid) and 64 x 512 calibration, side by side in one run.
 
-    python bench/ranks.py WORK [--nproc 1,2] [--json OUT.json]
+    python benchmarks/ranks.py WORK [--nproc 1,2] [--json OUT.json]
 
 For each process count: whole-process wall time of `quantkit quantize` (torchrun included), the share of integer
 codes equal to the one-process run's, and WikiText-2 test perplexity (16 x 2048 windows) of the gptq artifact.

@@ -11,9 +11,9 @@ Both artifacts are then scored by one evaluator in this interpreter: quantkit's 
 folder, and the error is measured against the float model on held-back windows that neither tool calibrated on:
 logits MSE and KL(float || quantized) per token.
 
-    bash bench/setup_peers.sh                   # once: /work/peers/llmc
-    python bench/peer_moe.py                    # 32 x 512 calibration, 16 x 512 held back
-    python bench/peer_moe.py --samples 8        # smoke
+    bash benchmarks/setup_peers.sh                   # once: /work/peers/llmc
+    python benchmarks/peer_moe.py                    # 32 x 512 calibration, 16 x 512 held back
+    python benchmarks/peer_moe.py --samples 8        # smoke
 
 Writes into --out-dir (default out/peer-moe): the model, calib.pt / heldout.pt, one folder per tool, logs/,
 results.json and results.md. Only the standard library is imported at module level: the same file runs the

@@ -1,6 +1,6 @@
 """Time the quantkit W4A16 CPU kernel against float32 F.linear and torch's int4pack CPU GEMM on SmolLM2 shapes.
 
-  python bench/int4_cpu_kernel.py --threads 1
+  python benchmarks/int4_cpu_kernel.py --threads 1
 
 "hot": one weight, so after the first call it sits in cache. "stack" (M <= 8): 30 distinct copies of the weight
 (about SmolLM2-135M's 30 layers) run one after the other per measurement, so the float32 working set exceeds the
