@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from .errors import QuantkitError
+from .families import SUPPORTED_FAMILIES
+from .families.moe import Experts
 
-# tested end to end (tests/test_families.py); other architectures whose blocks hold nn.Linear layers also quantize
-SUPPORTED_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3, Granite, OLMo 2, OPT; MoE: Qwen3-MoE, "
-                      "Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -154,8 +153,6 @@ def load_config(spec: str, dtype: str = "auto"):
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The longest ModuleList of identical blocks that contain Linear layers (Llama/Qwen `model.layers`,
     OPT `model.decoder.layers`, ...); a block's experts (moe.Experts) are not blocks."""
-    from .moe import Experts
-
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and not isinstance(module, Experts) and len(module) > 0:
@@ -177,9 +174,6 @@ def check_supported(model: nn.Module, blocks: nn.ModuleList) -> None:
             raise QuantkitError(f"model: {type(model).__name__} keeps 3-D weights in {name}.{fused[0]} "
                                 f"({type(module).__name__}); quantkit quantizes experts it has unfused (moe.unfuse); "
                                 f"supported: {SUPPORTED_FAMILIES}")
-
-
-ROUTERS = ("gate", "router", "shared_expert_gate")  # MoE routing Linears: left in float, as every peer does
 
 
 def block_linears(block: nn.Module) -> dict[str, nn.Linear]:

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from . import moe
 from .errors import QuantkitError
 from .export import awq, compressed_tensors, gptq
 from .export.base import Fp8Weight, QuantizedWeight, split_by_module
+from .families import moe
 from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype

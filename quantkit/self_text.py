@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from .eval import cache
+from . import cache
+from .data import left_padded, load_prompts, render
 from .files import cache_root
-from .eval.generation import left_padded, load_prompts, render
 from .model import model_fingerprint
 from .progress import Reporter, fmt_eta
 

@@ -10,11 +10,12 @@ from torch import nn
 from quantkit.algorithms import awq
 from quantkit.algorithms.grid import GridSpec, QuantizedWeight
 from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.algorithms.smoothing import find_mappings, fold
+from quantkit.algorithms.smoothing import fold
 from quantkit.errors import QuantkitError
 from quantkit.export import awq as awq_format
 from quantkit.export.artifact import write_safetensors
 from quantkit.export.base import QuantInfo
+from quantkit.families.mappings import find_mappings
 from quantkit.model import decoder_blocks
 from reference_readers import read_awq_gemm
 from tiny_models import tiny_config

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.eval import cache
+from quantkit.eval.compare import LogitCache
 from quantkit.eval.distribution import HIST_EDGES, BaseTopK, ShiftAccumulator, token_stats, token_stats_from_topk
-from quantkit.eval.generation import compare, load_prompts
-from quantkit.eval.lm_eval_tasks import wikitext_pages
+from quantkit.data import load_prompts
+from quantkit.eval.generation import compare
+from quantkit.lm_eval_tasks import wikitext_pages
 from quantkit.eval.tasks import parse_tasks
 from tiny_models import tiny_tokenizer
 from conftest import run_cli, write_recipe
@@ -194,7 +195,7 @@ def test_wikitext_document_level_pages():
 
 
 def test_logit_cache_abort_leaves_nothing(tmp_path):
-    entry = cache.LogitCache(tmp_path, "k")
+    entry = LogitCache(tmp_path, "k")
     entry.start()
     entry.write(0, BaseTopK.from_logits(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), 3))
     entry.abort()
@@ -266,7 +267,7 @@ def test_task_definitions_load_by_path_without_quantkit(tmp_path):
     import sys
 
     from quantkit.data import BUNDLED
-    from quantkit.eval import lm_eval_tasks
+    from quantkit import lm_eval_tasks
 
     script = (
         "import importlib.util, sys\n"

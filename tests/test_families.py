@@ -19,7 +19,8 @@ import pytest
 import torch
 import yaml
 
-from quantkit import moe, runtime
+from quantkit import runtime
+from quantkit.families import moe
 from quantkit.errors import QuantkitError
 from quantkit.export.artifact import write_artifact
 from quantkit.kernels.w8a8 import swap_w8a8_linears
@@ -195,7 +196,8 @@ def _dense_twin(folder, x: torch.Tensor) -> torch.Tensor:
 def test_folding_leaves_every_family_float_function_unchanged(tiny_factory, arch):
     """Every mapping find_mappings gives, folded with random scales in ~[0.05, 20], leaves the logits as they were
     (norm weights and biases moved off 1 / 0 first, so that every fold does something)."""
-    from quantkit.algorithms.smoothing import find_mappings, fold
+    from quantkit.algorithms.smoothing import fold
+    from quantkit.families.mappings import find_mappings
     from quantkit.model import decoder_blocks
 
     model = load_model(str(tiny_factory(arch)), "float32").model

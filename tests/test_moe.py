@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import run_cli, write_recipe
-from quantkit import moe
+from quantkit.families import moe
 from quantkit.errors import QuantkitError
 from quantkit.model import load_model
 from quantkit.progress import Reporter

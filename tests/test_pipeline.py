@@ -217,7 +217,7 @@ def test_too_short_calibration_text_and_existing_output(tiny_llama, tmp_path, mo
 def test_fused_experts_are_refused_until_unfused_and_odd_layouts_name_their_class(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantkit import moe
+    from quantkit.families import moe
 
     cfg = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)

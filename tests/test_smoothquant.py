@@ -14,7 +14,8 @@ from quantkit import runtime
 from quantkit.quantize import calibration, pipeline, transforms
 from quantkit.algorithms.grid import INT8_CHANNEL
 from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.algorithms.smoothquant import MIN_SCALE, channel_absmax, norm_mappings, smoothing_scale
+from quantkit.algorithms.smoothquant import MIN_SCALE, channel_absmax, smoothing_scale
+from quantkit.families.mappings import norm_mappings
 from quantkit.errors import QuantkitError
 from quantkit.kernels.w8a8 import Fp8Linear, Int8Linear, fake_quantize_tokens, swap_w8a8_linears
 from quantkit.model import decoder_blocks, load_model

@@ -16,9 +16,6 @@ scales nor per-channel weight scales see.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from .smoothing import Mapping, find_mappings
 
 MIN_SCALE = 1e-5  # llm-compressor's MINIMUM_SMOOTHING_SCALE
 
@@ -41,11 +38,3 @@ def smoothing_scale(x_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: 
     s = x_absmax.pow(alpha) / w_absmax.pow(1 - alpha)
     s = torch.where(w_absmax > 0, s, x_absmax)  # a dead column: the weights cannot take any range
     return s.clamp(min=MIN_SCALE)
-
-
-def norm_mappings(block: nn.Module) -> tuple[list[Mapping], list[str]]:
-    """smoothing.find_mappings restricted to pairs whose inputs a norm produces, with the notes about them."""
-    mappings, notes = find_mappings(block)
-    linear_names = {n for n, m in block.named_modules() if isinstance(m, nn.Linear)}
-    kept = [m for m in mappings if not isinstance(m.prev, nn.Linear)]
-    return kept, [n for n in notes if n.split(" -> ", 1)[0] not in linear_names]

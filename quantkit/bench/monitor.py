@@ -2,33 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import threading
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def reset_peak_rss() -> None:
-    """Restart the kernel's high-water mark of this process's resident memory (Linux 4.0+), so `peak_rss_bytes`
-    reports the peak from here on rather than since the process began."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # not Linux, or not allowed: the peak then counts from process start, which only overstates it
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return rss_bytes()
 
 
 class Sampler:

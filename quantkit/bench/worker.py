@@ -16,8 +16,9 @@ from torch import nn
 
 from ..errors import QuantkitError, first_line
 from ..progress import Reporter
+from ..resources import rss_bytes
 from .decode import EagerDecoder, StaticDecoder, decode_step_flops, generate_timed, kv_cache_bytes, tensor_bytes
-from .monitor import Sampler, gpu_utilization_probe, rss_bytes
+from .monitor import Sampler, gpu_utilization_probe
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QuantkitError
+from ..families import VLLM_NO_FLOAT16
 
 # run as a script under vLLM's interpreter, from a folder with no module named like a package it imports
 WORKER = Path(__file__).parent / "workers" / "vllm_serve.py"
@@ -47,10 +48,6 @@ def served_config(path: str, what: str) -> dict:
     return json.loads(cfg.read_text())
 
 
-# vLLM 0.32 `_FLOAT16_NOT_SUPPORTED_MODELS` (vllm/config/model.py): "Numerical instability"
-NO_FLOAT16 = {"gemma2", "gemma3", "gemma3_text", "glm4"}
-
-
 def int8_activations(config: dict) -> bool:
     """Whether config.json's quantized Linears take int8 inputs (W8A8 int8)."""
     groups = (config.get("quantization_config") or {}).get("config_groups", {})
@@ -62,7 +59,7 @@ def serving_dtype(config: dict) -> str:
     """The dtype vLLM's CPU kernels serve a model's config.json in: W4A16 in float16 (vLLM refuses float32 for
     it, and bfloat16 drifts); W8A8 int8 in bfloat16, as its int8 GEMM has no float16 path; float16 elsewhere,
     except the families vLLM refuses float16 for."""
-    return "bfloat16" if int8_activations(config) or config.get("model_type") in NO_FLOAT16 else "float16"
+    return "bfloat16" if int8_activations(config) or config.get("model_type") in VLLM_NO_FLOAT16 else "float16"
 
 
 # vLLM's x86 CPU wheel has three kernel libraries; only the AVX-512 ones hold cpu_gemm_wna16 (platforms/cpu.py)
@@ -227,9 +224,9 @@ class VllmEngine:
     def tasks(self, model: str, dtype: str, max_model_len: int, names: list[str], limit: int | None,
               num_fewshot: int | None, batch_size: int) -> dict:
         """lm-eval `names` on `model` through lm-eval's vLLM model type, with quantkit's task definitions
-        (eval/lm_eval_tasks.py) and bundled data. It ends the served model: load another one after it."""
+        (lm_eval_tasks.py) and bundled data. It ends the served model: load another one after it."""
         from ..data import BUNDLED
-        from ..eval import lm_eval_tasks
+        from .. import lm_eval_tasks
 
         return self._call({"op": "tasks", "model": str(Path(model).resolve()), "dtype": dtype,
                            "max_model_len": max_model_len, "batch_size": batch_size, "tasks": names, "limit": limit,

@@ -9,41 +9,10 @@ model's text against the base's (rouge-score, its default tokenizer).
 
 from __future__ import annotations
 
-import json
-from contextlib import contextmanager
-from pathlib import Path
-
 import torch
 
-from ..data import BUNDLED
-from ..errors import QuantkitError
+from ..data import left_padded, render
 from ..progress import Reporter
-
-DEFAULT_PROMPTS = BUNDLED.parent / "prompts" / "generation.jsonl"
-
-
-def load_prompts(path: str | None) -> list[str]:
-    file = Path(path) if path else DEFAULT_PROMPTS
-    if not file.is_file():
-        raise QuantkitError(f"--gen-prompts: file not found: {file}")
-    prompts = []
-    for i, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            prompts.append(str(json.loads(line)["prompt"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise QuantkitError(f"--gen-prompts: {file} line {i}: expected a JSON object with a 'prompt' field") from None
-    if not prompts:
-        raise QuantkitError(f"--gen-prompts: {file} has no prompts")
-    return prompts
-
-
-def render(tokenizer, prompt: str) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    return prompt
 
 
 @torch.no_grad()
@@ -64,20 +33,6 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size
             for row in gen[:, enc["input_ids"].shape[1]:].tolist():
                 out.append(row[: row.index(eos)] if eos in row else row)
     return out
-
-
-@contextmanager
-def left_padded(tokenizer):
-    """Batches padded on the left, so generation continues from the right end of every row; a tokenizer without a
-    pad token (many base models) pads with eos, as generate() does. Restored afterwards."""
-    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "left"
-    if pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        yield
-    finally:
-        tokenizer.padding_side, tokenizer.pad_token = side, pad_token
 
 
 def compare(base: list[list[int]], model: list[list[int]], tokenizer, prompts: list[str], samples: int = 3) -> dict:

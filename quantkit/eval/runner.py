@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from .. import data, runtime, self_text
+from .. import cache, data, runtime, self_text
 from ..errors import QuantkitError
 from ..files import cache_root, weight_bytes
 from ..model import model_fingerprint, pick_device, resolve_model_path
 from ..progress import Reporter
-from ..quantize.memory import host_available
-from . import cache, generation, tasks
+from ..resources import host_available
+from . import generation, tasks
 from .compare import base_logits_entry, distribution_shift, fill_base_cache
 from .distribution import ShiftAccumulator, token_stats_from_topk
 from .perplexity import eval_tokens, num_windows, perplexity, window_logits
@@ -173,7 +173,7 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
     ids_of = {d: eval_tokens(tokenizer, spec, o.max_tokens) for d, spec in specs.items() if d != data.SELF}
     for d, ids in ids_of.items():
         _check_length(specs[d], ids, o.seq_len)
-    prompts = generation.load_prompts(o.gen_prompts) if (o.base and o.generation) else []
+    prompts = data.load_prompts(o.gen_prompts) if (o.base and o.generation) else []
     size, size_source = weight_bytes(model_path, None if vllm else loaded.model)
     body = {"model": model_path, "base": o.base, "format": runtime.artifact_format(model_path) or "float",
             "size_bytes": size, "size_source": size_source, "datasets": specs, "seq_len": o.seq_len,
@@ -259,7 +259,7 @@ def _vllm_measurements(model_path: str, o: EvalOptions, ids_of: dict[str, torch.
     model type. vLLM's dtype follows the format (serving_dtype)."""
     from ..engines.vllm import VllmEngine
 
-    rendered = [tokenizer(generation.render(tokenizer, p), add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    rendered = [tokenizer(data.render(tokenizer, p), add_special_tokens=not tokenizer.chat_template)["input_ids"]
                 for p in prompts]
     max_len = max([o.seq_len + 1] + [len(r) + o.gen_tokens for r in rendered])
     out: dict = {}

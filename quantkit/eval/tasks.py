@@ -5,9 +5,9 @@ the vLLM engine runs with lm-eval's vLLM model type too.
 
 from __future__ import annotations
 
+from .. import lm_eval_tasks
 from ..data import BUNDLED
 from ..errors import QuantkitError, first_line
-from . import lm_eval_tasks
 
 
 def parse_tasks(spec: str | None) -> list[str]:

@@ -28,7 +28,6 @@ takes the first plan that fits.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,9 +38,9 @@ from torch import nn
 from ..algorithms.gptq import Hessian
 from ..algorithms.grid import STEP
 from ..errors import QuantkitError
+from ..families import moe
 from ..model import resolve_model_path
 from ..recipe import parse_size
-from .. import moe
 from . import microbatches, parking
 from .activations import OFFLOADS, Offload
 from .transforms import MODULE_LOSS_TOKENS
@@ -52,24 +51,6 @@ RUNTIME = 64 << 20  # measured: 20-40 MiB of allocator slack over a 16-block str
 
 def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
-
-
-def host_available() -> int:
-    """MemAvailable, capped by the cgroup's limit where one is set (containers, CI)."""
-    free = None
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                free = int(line.split()[1]) * 1024
-    free = free if free is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current").read())
-        if limit != "max":
-            free = min(free, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return free
 
 
 @dataclass

@@ -40,9 +40,9 @@ from ..algorithms.grid import GridSpec, QuantizedWeight, row_steps
 from ..algorithms.rtn import rtn_quantize
 from ..errors import QuantkitError
 from ..export.base import QuantInfo
+from ..families import ROUTERS, moe
 from ..kernels.w8a8 import fake_quantize_tokens
-from .. import moe
-from ..model import ROUTERS, block_linears, check_supported, decoder_blocks, matches
+from ..model import block_linears, check_supported, decoder_blocks, matches
 from ..progress import Reporter, fmt_eta
 from ..recipe import MoE, Stage, WeightQuant
 from . import microbatches, parking

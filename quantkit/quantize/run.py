@@ -13,19 +13,19 @@ from pathlib import Path
 
 import torch
 
-from .. import moe
-from ..bench.monitor import peak_rss_bytes, reset_peak_rss, rss_bytes
 from ..errors import QuantkitError
 from ..export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, ArtifactWriter, write_artifact
+from ..families import moe
 from ..model import (decoder_blocks, load_config, load_model, load_tokenizer, meta_model, model_fingerprint,
                      pick_device, resolve_model_path, torch_dtype)
 from ..progress import Reporter
 from ..recipe import Recipe, parse_size
+from ..resources import host_available, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ..versions import package_versions
 from . import calibration, distributed, memory, pipeline
 from .activations import FOLDER as ACTIVATIONS
 from .checkpoint import BlockCheckpoints, run_key
-from .memory import fmt_bytes, host_available
+from .memory import fmt_bytes
 from .source import InMemory, Streamed
 
 

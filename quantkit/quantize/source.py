@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import moe
 from ..errors import QuantkitError
 from ..export.artifact import INDEX_NAME, WEIGHTS_NAME, ArtifactWriter, stored_keys
+from ..families import moe
 from ..model import decoder_blocks, load_config, load_tokenizer, meta_model
 
 def _libc():

@@ -24,13 +24,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import moe
 from ..algorithms import awq
 from ..algorithms.gptq import Hessian
 from ..algorithms.grid import GridSpec
-from ..algorithms.smoothing import Mapping, find_mappings, fold
-from ..algorithms.smoothquant import channel_absmax, norm_mappings, smoothing_scale
+from ..algorithms.smoothing import Mapping, fold
+from ..algorithms.smoothquant import channel_absmax, smoothing_scale
 from ..errors import QuantkitError
+from ..families import moe
+from ..families.mappings import find_mappings, norm_mappings
 from ..model import block_linears, matches
 from ..recipe import AWQ, SmoothQuant, Stage
 from .distributed import Ranks
@@ -184,7 +185,7 @@ def _replay(module: nn.Module, calls: list[tuple]) -> torch.Tensor:
 class AwqPass:
     """AWQ for one recipe stage (a transform before gptq, or the weight stage before its own RTN).
 
-    One float forward of the block captures, per mapping (smoothing.find_mappings), the mean |x| of the
+    One float forward of the block captures, per mapping (families/mappings.find_mappings), the mean |x| of the
     input channels, and either the input's Gram matrix (one Linear scored on its own output) or the
     inspected module's call (q/k/v scored on self_attn, gate/up on the MLP); and per quantized Linear a
     strided subsample of its input for clipping. apply() searches every mapping's scale on the float block

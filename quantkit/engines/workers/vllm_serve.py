@@ -1,7 +1,7 @@
 """vLLM in its own environment, driven by quantkit (quantkit/engines/vllm.py) over a pipe: one JSON request per line on
 stdin, one JSON reply per line on the original stdout. Everything else vLLM prints goes to stderr, which the
 driver keeps as the worker's log. Only the standard library, torch and vllm are imported (and lm_eval, with quantkit's
-eval/lm_eval_tasks.py loaded by its path, for tasks): this file runs under the vLLM venv's interpreter, where
+lm_eval_tasks.py loaded by its path, for tasks): this file runs under the vLLM venv's interpreter, where
 quantkit is not installed.
 
 Requests: {"op": "kernels"}, {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs"}, {"op":

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .errors import QuantkitError
-from .model import SUPPORTED_FAMILIES
+from ..errors import QuantkitError
+from . import SUPPORTED_FAMILIES
 
 
 class Expert(nn.Module):
