@@ -134,7 +134,7 @@ class ShiftAccumulator:
             "same_top": float(self.column("same_top").mean()),
             "delta_p": {"mean": float(dp.mean()), "rms": float(np.sqrt((dp ** 2).mean()))},
             "tail_mass_mean": float(self.column("tail_mass").mean()),
-            # each window's mean: two artifacts scored on the same windows compare pairwise (bench/paired.py), with
+            # each window's mean: two artifacts scored on the same windows compare pairwise (benchmarks/paired.py), with
             # an error bar from the windows' spread instead of each artifact's own, far wider, per-token one
             "per_window": {k: [float(p.astype(np.float64).mean()) for p in self.parts[k]]
                            for k in ("nll_model", "kld")},

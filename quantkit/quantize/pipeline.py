@@ -12,7 +12,7 @@ Transform stages (SmoothQuant, AWQ) add one float forward of the block before th
 statistics they fold into the block's weights. RTN needs no data: alone it quantizes every Linear in one
 sweep; after a transform it quantizes each block's Linears and runs the block to feed the next one. AWQ as
 the weight stage is its transform pass followed by that RTN step on the AWQ grid.
-Mixture-of-experts blocks arrive with per-expert Linears (moe.py): each expert's gate/up/down is hooked like any
+Mixture-of-experts blocks arrive with per-expert Linears (families/moe.py): each expert's gate/up/down is hooked like any
 other Linear, and with calibrate_all_experts every expert first sees every token, so one Hessian serves every
 expert's gate/up.
 W8A8 recipes also quantize each Linear's input per token during those forwards (the grid Int8Linear / Fp8Linear
