@@ -246,6 +246,8 @@ class Release(_Strict):
     format: Literal["gptq", "compressed-tensors", "awq"] | None = None
     eval: ReleaseEval = ReleaseEval()
     bench: ReleaseBench = ReleaseBench()
+    # an elliptic-curve private key (PEM): the last step signs every artifact folder with it (ARTIFACT/model.sig)
+    sign_key: str | None = None
 
 
 class Recipe(_Strict):
