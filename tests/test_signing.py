@@ -300,3 +300,28 @@ def test_certificate_mode(artifacts, tmp_path, monkeypatch, capsys):
     assert code == 0 and lines[0] == "ok    signature    model.sig: every file matches, signed by the certificate chain"
     code, lines, _ = verify(monkeypatch, capsys, folder, "--certificate-chain", tmp_path / "rogue.crt")
     assert code == 1 and lines[0].startswith("FAIL  signature    model.sig: does not verify ("), lines[0]
+
+
+# every layout quantkit writes passes the layout checks: (model, stage, formats)
+VARIANTS = {
+    "gptq-3bit-asym-act-order": ("llama", "gptq: {bits: 3, group_size: 32, sym: false, act_order: true}", ("gptq",)),
+    "rtn-4bit-asym": ("llama", "rtn: {bits: 4, group_size: 64, sym: false}", ("gptq", "compressed-tensors")),
+    "rtn-8bit-channel": ("llama", "rtn: {bits: 8, group_size: -1}", ("gptq", "compressed-tensors")),
+    "awq-asym": ("llama", "awq: {group_size: 32, zero_point: true, grid: 4, clip: false}", ("awq",)),
+    "w8a8-int8": ("llama", "rtn: {bits: 8, group_size: -1, activations: {type: int}}", ("compressed-tensors",)),
+    "w8a8-fp8": ("llama", "rtn: {type: float, bits: 8, group_size: -1, activations: {type: float}}",
+                 ("compressed-tensors",)),
+    "opt-biases": ("opt", "rtn: {bits: 4, group_size: 32}", ("gptq", "awq")),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_layout_quantkit_writes_verifies(tiny_factory, tmp_path, monkeypatch, capsys, variant):
+    arch, stage, formats = VARIANTS[variant]
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_factory(arch), tmp_path / "q", stage, formats=formats)
+    assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
+    for fmt in formats:
+        code, lines, _ = verify(monkeypatch, capsys, tmp_path / "q" / fmt)
+        assert code == 0, (fmt, lines)
+        assert any(line.startswith("ok    layout       ") and "quantized modules store the" in line
+                   for line in lines), lines
