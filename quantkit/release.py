@@ -180,8 +180,8 @@ class Release:
         if key is None:
             for stale in (f / signing.SIGNATURE_NAME for f in folders):
                 if stale.is_file():
-                    self.report.warn(f"{stale}: left by an earlier signed release; it may no longer match the rewritten card "
-                                     "(set release.sign_key, or remove it)")
+                    self.report.warn(f"{stale}: left by an earlier signed release; it may no longer match the "
+                                     "rewritten card (set release.sign_key, or remove it)")
             return []
         self.report.info(f"release: sign ({len(folders)} folders)")
         return [str(signing.sign(f, key)) for f in folders]
