@@ -84,6 +84,9 @@ def test_release_signs_last_and_verify_accepts(released, tiny_llama, tmp_path, m
         capsys.readouterr()
         assert run_cli(monkeypatch, "verify", root / "out" / fmt, "--public-key", tmp_path / "k.pub", "--quiet") == 0
         assert capsys.readouterr().out.strip().endswith(", signature ok)")
+    capsys.readouterr()
+    assert run_cli(monkeypatch, "release", released[1], "--quiet") == 0  # unsigned again: the old signature is stale
+    assert f"warning: {root / 'out' / 'gptq' / 'model.sig'}: left by an earlier signed release" in capsys.readouterr().err
     (tmp_path / "bad.pem").write_text("no key")  # a key that cannot sign fails before any step runs
     signed.write_text(signed.read_text().replace(str(tmp_path / "k.pem"), str(tmp_path / "bad.pem")))
     assert run_cli(monkeypatch, "release", signed, "--quiet") == 2
