@@ -48,7 +48,8 @@ def _pem(path: str | Path, option: str, public: bool):
     except OSError as err:
         raise QuantkitError(f"{option}: cannot read {path}: {err.strerror or err}") from None
     except (ValueError, TypeError) as err:  # not PEM, or encrypted (a password is not taken)
-        raise QuantkitError(f"{option}: {path}: not an unencrypted PEM key ({first_line(err)})") from None
+        what = "a PEM public key" if public else "an unencrypted PEM private key"
+        raise QuantkitError(f"{option}: {path}: not {what} ({first_line(err)})") from None
     if not isinstance(key, ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey):
         raise QuantkitError(f"{option}: {path}: not an elliptic-curve key (model-signing signs with P-256/384/521)")
     return key
@@ -72,17 +73,26 @@ def sign(folder: Path, key: str | Path, signature: str | Path | None = None, cer
         raise QuantkitError(f"ARTIFACT: {folder} fails verify, not signed: {result.first_failure()}")
     out = signature_path(folder, signature)
     config = signing.Config().set_hashing_config(_hashing(folder, out))
-    try:
-        if certificate:
+    if certificate:
+        _readable([certificate], "--certificate")
+        _readable(chain, "--certificate-chain")
+        try:
             config.use_certificate_signer(private_key=key, signing_certificate=certificate, certificate_chain=chain)
-        else:
-            config.use_elliptic_key_signer(private_key=key)
+        except ValueError as err:  # no PEM certificates, or the certificate does not hold the key's public half
+            raise QuantkitError(f"--certificate, --certificate-chain: {first_line(err)}") from None
+    else:
+        config.use_elliptic_key_signer(private_key=key)
+    try:
         config.sign(folder, out)
     except OSError as err:
         raise QuantkitError(f"--signature: cannot write {out}: {err.strerror or err}") from None
-    except ValueError as err:  # the certificate does not hold the key's public half, or is no PEM certificate
-        raise QuantkitError(f"--certificate: {certificate}: {first_line(err)}") from None
     return out
+
+
+def _readable(paths: Sequence[str | Path], option: str) -> None:
+    for p in paths:
+        if not Path(p).is_file():
+            raise QuantkitError(f"{option}: cannot read {p}")
 
 
 def check(folder: Path, signature: Path, public_key: str | Path | None,
@@ -94,10 +104,11 @@ def check(folder: Path, signature: Path, public_key: str | Path | None,
         return False, f"{signature.name}: missing (the artifact is unsigned)"
     config = verifying.Config().set_hashing_config(_hashing(folder, signature))
     if certificate_chain:
-        for c in certificate_chain:
-            if not Path(c).is_file():
-                raise QuantkitError(f"--certificate-chain: cannot read {c}")
-        config.use_certificate_verifier(certificate_chain=[Path(c) for c in certificate_chain])
+        _readable(certificate_chain, "--certificate-chain")
+        try:
+            config.use_certificate_verifier(certificate_chain=[Path(c) for c in certificate_chain])
+        except ValueError as err:
+            raise QuantkitError(f"--certificate-chain: not PEM certificates ({first_line(err)})") from None
         how = "certificate chain"
     else:
         _pem(public_key, "--public-key", public=True)

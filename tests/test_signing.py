@@ -247,7 +247,11 @@ def test_usage_errors_are_one_line(signed, keys, tmp_path, monkeypatch, capsys):
     (tmp_path / "bad.pem").write_text("not a key")
     capsys.readouterr()
     assert run_cli(monkeypatch, "sign", signed, "--key", tmp_path / "bad.pem") == 2
-    assert capsys.readouterr().err.startswith(f"error: --key: {tmp_path / 'bad.pem'}: not an unencrypted PEM key (")
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --key: {tmp_path / 'bad.pem'}: not an unencrypted PEM private key (") and \
+        err.count("\n") == 1
+    assert run_cli(monkeypatch, "verify", signed, "--public-key", keys[0]) == 2  # the private half
+    assert capsys.readouterr().err.startswith(f"error: --public-key: {keys[0]}: not a PEM public key (")
     assert run_cli(monkeypatch, "verify", signed, "--public-key", tmp_path / "nope.pub") == 2
     assert capsys.readouterr().err == f"error: --public-key: cannot read {tmp_path / 'nope.pub'}: No such file or " \
                                       "directory\n"
@@ -300,6 +304,8 @@ def test_certificate_mode(artifacts, tmp_path, monkeypatch, capsys):
     assert code == 0 and lines[0] == "ok    signature    model.sig: every file matches, signed by the certificate chain"
     code, lines, _ = verify(monkeypatch, capsys, folder, "--certificate-chain", tmp_path / "rogue.crt")
     assert code == 1 and lines[0].startswith("FAIL  signature    model.sig: does not verify ("), lines[0]
+    code, _, err = verify(monkeypatch, capsys, folder, "--certificate-chain", tmp_path / "leaf.pem")
+    assert code == 2 and err.startswith("error: --certificate-chain: not PEM certificates (") and err.count("\n") == 1
 
 
 # every layout quantkit writes passes the layout checks: (model, stage, formats)
