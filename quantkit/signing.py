@@ -124,7 +124,9 @@ def check(folder: Path, signature: Path, public_key: str | Path | None,
 
 
 def _mismatch(message: str) -> str:
-    """model-signing's 'Signature mismatch: [...]' (digest reprs included) as the files it names."""
+    """model-signing's 'Signature mismatch: [...]' (a list's repr, digest reprs inside) as the files it names. A
+    digest holding a double quote makes its item's repr escape the single quotes: unescaped first."""
+    message = message.replace("\\'", "'")
     changed = re.findall(r"Hash mismatch for '([^']+)'", message)
     extra = re.findall(r"Extra files found in model '[^']*': ([^\"'\]]+)", message)
     missing = re.findall(r"Missing files in model '[^']*': ([^\"'\]]+)", message)

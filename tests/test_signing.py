@@ -155,6 +155,17 @@ def test_a_rehashed_edit_fails_the_signature(signed, keys, monkeypatch, capsys, 
         assert any(line.startswith(unsigned) for line in lines), lines
 
 
+def test_mismatch_names_the_files_however_the_digests_are_quoted():
+    from quantkit.signing import _mismatch
+
+    digest = "Digest(algorithm='sha256', digest_value=b'\\x01\"')"  # a byte that is a double quote
+    items = [f"Hash mismatch for 'quantkit.json': Expected '{digest}', Actual '{digest}'",
+             "Extra files found in model 'gptq': evil.py, x.py", "Missing files in model 'gptq': a.json"]
+    assert "\\'quantkit.json\\'" in repr(items)  # the escaped form model-signing's message then has
+    assert _mismatch(f"Signature mismatch: {items}") == \
+        "quantkit.json changed since signing; evil.py, x.py not signed; a.json missing"
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_sign_and_verify_round_trip(artifacts, keys, tmp_path, monkeypatch, capsys, fmt):
     import model_signing
