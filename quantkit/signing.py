@@ -36,8 +36,8 @@ def _hashing(folder: Path, signature: Path):
     return hashing.Config().set_ignored_paths(paths=inside)
 
 
-def _pem(path: str | Path, option: str, public: bool):
-    """The key in a PEM file, or one line naming the option; model-signing's own errors would not say which file."""
+def _check_pem(path: str | Path, option: str, public: bool) -> None:
+    """One line naming the option for a key model-signing cannot use; its own errors would not say which file."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -52,12 +52,11 @@ def _pem(path: str | Path, option: str, public: bool):
         raise QuantkitError(f"{option}: {path}: not {what} ({first_line(err)})") from None
     if not isinstance(key, ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey):
         raise QuantkitError(f"{option}: {path}: not an elliptic-curve key (model-signing signs with P-256/384/521)")
-    return key
 
 
 def check_key(key: str | Path, option: str = "--key") -> None:
     """Fails now, with one line, on a key that `sign` could not use (release checks before minutes of work)."""
-    _pem(key, option, public=False)
+    _check_pem(key, option, public=False)
 
 
 def sign(folder: Path, key: str | Path, signature: str | Path | None = None, certificate: str | Path | None = None,
@@ -111,7 +110,7 @@ def check(folder: Path, signature: Path, public_key: str | Path | None,
             raise QuantkitError(f"--certificate-chain: not PEM certificates ({first_line(err)})") from None
         how = "certificate chain"
     else:
-        _pem(public_key, "--public-key", public=True)
+        _check_pem(public_key, "--public-key", public=True)
         config.use_elliptic_key_verifier(public_key=public_key)
         how = f"public key {Path(public_key).name}"
     try:
