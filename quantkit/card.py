@@ -139,6 +139,9 @@ def card(recipe: Recipe, folder: Path, report: dict, results: list[gate_checks.G
     lines += [f"- quantkit: `quantkit eval {folder} --base {recipe.model}`", "", "## Files", "",
               "| file | sha256 |", "|---|---|"]
     lines += [f"| {name} | `{digest}` |" for name, digest in manifest.get("files", {}).items() if name != "README.md"]
+    if recipe.release.sign_key:
+        lines += ["", "Signed with OpenSSF model-signing: `model.sig` covers every file, this card included. Check it "
+                  f"with `quantkit verify {folder} --public-key PUBLIC_KEY.pem`."]
     versions = ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items())
     lines += ["", f"Versions: {versions}.", ""]
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """quantkit command line: `quantkit quantize RECIPE`, `quantkit eval MODEL`, `quantkit report A B ...`,
-`quantkit bench ARTIFACT`, `quantkit verify ARTIFACT`, `quantkit release RECIPE`, `quantkit gate REPORT`."""
+`quantkit bench ARTIFACT`, `quantkit verify ARTIFACT`, `quantkit sign ARTIFACT`, `quantkit release RECIPE`,
+`quantkit gate REPORT`."""
 
 from __future__ import annotations
 
@@ -269,14 +270,20 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
 
 @cli.command("verify")
 @click.argument("artifact", metavar="ARTIFACT")
+@click.option("--signature", metavar="SIG", help="The model-signing signature (default ARTIFACT/model.sig).")
+@click.option("--public-key", metavar="PEM", help="Check the signature with this EC public key (required then).")
+@click.option("--certificate-chain", multiple=True, metavar="PEM",
+              help="Check a certificate signature against these trusted certificates (repeatable).")
 @click.option("--json", "json_out", metavar="FILE", help="Write {artifact, ok, checks: [{name, ok, detail}]} here.")
 @click.option("--quiet", is_flag=True, help="Print only the final line (and warnings).")
-def verify_cmd(artifact: str, json_out: str | None, quiet: bool) -> None:
-    """Check an artifact folder: each file against its sha256 in quantkit.json, the safetensors readable, tensor
-    shapes and dtypes against config.json, a short forward with finite logits. Exit code 1 when a check fails."""
+def verify_cmd(artifact: str, signature: str | None, public_key: str | None, certificate_chain: tuple[str, ...],
+               json_out: str | None, quiet: bool) -> None:
+    """Check an artifact folder: its signature (with --public-key / --certificate-chain), each file against its
+    sha256 in quantkit.json, no code, the safetensors readable, packed tensors as the format stores them, shapes
+    and dtypes against config.json, a short forward with finite logits. Exit code 1 when a check fails."""
     from .verify import verify
 
-    result = verify(artifact)
+    result = verify(artifact, signature=signature, public_key=public_key, certificate_chain=certificate_chain)
     if not quiet:
         for line in result.table():
             click.echo(line)
@@ -286,6 +293,27 @@ def verify_cmd(artifact: str, json_out: str | None, quiet: bool) -> None:
     write_json(json_out, result.as_json())
     if not result.ok:
         sys.exit(1)  # 2 stays the usage-error code (QuantkitError, from main)
+
+
+@cli.command()
+@click.argument("artifact", metavar="ARTIFACT")
+@click.option("--key", required=True, metavar="PEM", help="Elliptic-curve private key (unencrypted PEM).")
+@click.option("--signature", metavar="SIG", help="Where to write the signature (default ARTIFACT/model.sig).")
+@click.option("--certificate", metavar="PEM", help="The key's signing certificate: sign in certificate mode.")
+@click.option("--certificate-chain", multiple=True, metavar="PEM",
+              help="The issuer's certificates up to the root (repeatable; with --certificate).")
+def sign(artifact: str, key: str, signature: str | None, certificate: str | None,
+         certificate_chain: tuple[str, ...]) -> None:
+    """Sign an artifact folder that passes `quantkit verify` with OpenSSF model-signing (a Sigstore bundle over
+    every file), offline: with a private key, or a certificate. Keyless Sigstore signing needs the network and is
+    not offered."""
+    from .signing import sign as sign_artifact
+
+    if bool(certificate_chain) != bool(certificate):  # model-signing 1.1 fails on a certificate with no chain
+        raise QuantkitError("--certificate, --certificate-chain: certificate signing takes both (the chain holds at "
+                            "least the issuer's certificate)")
+    out = sign_artifact(Path(artifact), key, signature, certificate, certificate_chain)
+    click.echo(f"sign: {artifact} signed ({'certificate' if certificate else 'key'}); signature {out}")
 
 
 @cli.command()

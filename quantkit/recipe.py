@@ -246,6 +246,9 @@ class Release(_Strict):
     format: Literal["gptq", "compressed-tensors", "awq"] | None = None
     eval: ReleaseEval = ReleaseEval()
     bench: ReleaseBench = ReleaseBench()
+    # an elliptic-curve private key (PEM): the last step signs every artifact folder with it (ARTIFACT/model.sig).
+    # Left out of every dump, so quantkit.json (which records the recipe) neither names the key nor changes.
+    sign_key: str | None = Field(None, exclude=True)
 
 
 class Recipe(_Strict):

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import gates as gate_checks
+from . import signing
 from .bench.runner import device_name
 from .data import SELF, expand, resolve
 from .errors import QuantkitError
@@ -171,6 +172,20 @@ class Release:
                 if not engine.has_wna16():
                     raise QuantkitError(f"{field}: vllm: {NO_WNA16}")
 
+    def sign(self) -> list[str]:
+        """Last: a signature covers the card too. Unsigned, a signature left by an earlier release no longer
+        matches the rewritten card."""
+        folders = [self.root / fmt for fmt in self.recipe.export.formats]
+        key = self.recipe.release.sign_key
+        if key is None:
+            for stale in (f / signing.SIGNATURE_NAME for f in folders):
+                if stale.is_file():
+                    self.report.warn(f"{stale}: left by an earlier signed release; it may no longer match the "
+                                     "rewritten card (set release.sign_key, or remove it)")
+            return []
+        self.report.info(f"release: sign ({len(folders)} folders)")
+        return [str(signing.sign(f, key)) for f in folders]
+
     def run(self) -> dict:
         start = time.perf_counter()
         r = self.recipe.release
@@ -179,6 +194,8 @@ class Release:
                    if engine == "vllm"]
         if in_vllm:  # before minutes of quantizing
             self._check_vllm_serves(in_vllm[0])
+        if r.sign_key:
+            signing.check_key(r.sign_key, "release.sign_key")
         quantized = self.quantize()
         ev = self.evaluate()
         bench = self.bench()
@@ -198,6 +215,7 @@ class Release:
         from .card import write_cards
 
         body["cards"] = [str(p) for p in write_cards(self.recipe, self.root, body, results)]
+        body["signatures"] = self.sign()
         self.state.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.state / "report.json", body)
         return body

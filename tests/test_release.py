@@ -63,6 +63,36 @@ def test_release_passes_its_gates_and_writes_the_card(released, capsys):
     assert manifest["files"]["README.md"] == sha256_file(root / "out" / "gptq" / "README.md")
 
 
+def test_release_signs_last_and_verify_accepts(released, tiny_llama, tmp_path, monkeypatch, capsys):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    root, _, _ = released
+    key = ec.generate_private_key(ec.SECP256R1())
+    (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    (tmp_path / "k.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    signed = write(tmp_path / "signed.yaml", tiny_llama, root / "out", LOOSE)  # same stages: only cards and signing
+    signed.write_text(signed.read_text().replace("release: {", f"release: {{sign_key: {tmp_path / 'k.pem'}, "))
+    assert run_cli(monkeypatch, "release", signed, "--quiet") == 0
+    report = json.loads((root / "out" / "release" / "report.json").read_text())
+    assert set(report["steps"].values()) == {"skipped (inputs unchanged)"}
+    assert report["signatures"] == [str(root / "out" / f / "model.sig") for f in ("compressed-tensors", "gptq")]
+    assert "Signed with OpenSSF model-signing" in (root / "out" / "gptq" / "README.md").read_text()
+    for fmt in ("compressed-tensors", "gptq"):  # the card is among the signed files
+        capsys.readouterr()
+        assert run_cli(monkeypatch, "verify", root / "out" / fmt, "--public-key", tmp_path / "k.pub", "--quiet") == 0
+        assert capsys.readouterr().out.strip().endswith(", signature ok)")
+    capsys.readouterr()
+    assert run_cli(monkeypatch, "release", released[1], "--quiet") == 0  # unsigned again: the old signature is stale
+    assert f"warning: {root / 'out' / 'gptq' / 'model.sig'}: left by an earlier signed release" in capsys.readouterr().err
+    (tmp_path / "bad.pem").write_text("no key")  # a key that cannot sign fails before any step runs
+    signed.write_text(signed.read_text().replace(str(tmp_path / "k.pem"), str(tmp_path / "bad.pem")))
+    assert run_cli(monkeypatch, "release", signed, "--quiet") == 2
+    assert capsys.readouterr().err.startswith(f"error: release.sign_key: {tmp_path / 'bad.pem'}: not an unencrypted")
+
+
 def test_rerun_skips_every_step_and_a_failing_gate_exits_1(released, tiny_llama, monkeypatch, capsys):
     root, _, _ = released
     before = (root / "out" / "gptq" / "model.safetensors").stat().st_mtime_ns

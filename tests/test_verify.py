@@ -45,12 +45,13 @@ def test_a_fresh_artifact_verifies(artifacts, monkeypatch, capsys, tmp_path, fmt
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         tensors = len(list(f.keys()))
     assert code == 0 and err == "", lines
-    assert lines[-1] == f"verify: {folder} ok ({len(files)} files, {tensors} tensors)"
+    assert lines[-1] == f"verify: {folder} ok ({len(files)} files, {tensors} tensors, unsigned)"
     assert all(line.startswith("ok ") for line in lines[:-1])
     body = json.loads((tmp_path / "v.json").read_text())
     assert body["artifact"] == str(folder) and body["ok"] and all(c["ok"] for c in body["checks"])
-    assert {c["name"] for c in body["checks"]} == {"manifest", "sha256", "safetensors", "config", "shapes", "dtype",
-                                                   "forward"}
+    assert body["signed"] == "unsigned" and lines[0].startswith("ok    signature    unsigned: ")
+    assert {c["name"] for c in body["checks"]} == {"signature", "manifest", "sha256", "code", "safetensors", "config",
+                                                   "layout", "shapes", "dtype", "forward"}
 
 
 def flip_middle_byte(folder):
@@ -88,7 +89,7 @@ def test_a_config_that_no_longer_fits_the_tensors(artifacts, monkeypatch, capsys
     code, lines, _ = verify(monkeypatch, capsys, folder, "--quiet")
     assert code == 1 and len(lines) == 1
     assert lines[0].startswith(f"verify: {folder} FAILED: model.layers.0."), lines[0]
-    assert "config.json gives [" in lines[0]
+    assert "stores int32 [" in lines[0] and "for config.json's Linear [128, " in lines[0]  # the packed words
 
 
 def test_a_float_dtype_other_than_config_says(artifacts, monkeypatch, capsys, tmp_path):
@@ -103,7 +104,7 @@ def test_unlisted_files_are_a_warning(artifacts, monkeypatch, capsys, tmp_path):
     folder = shutil.copytree(artifacts / "gptq", tmp_path / "gptq")
     (folder / "notes.txt").write_text("hi")
     code, lines, err = verify(monkeypatch, capsys, folder, "--quiet")
-    assert code == 0 and lines == [f"verify: {folder} ok (6 files, 62 tensors)"]
+    assert code == 0 and lines == [f"verify: {folder} ok (6 files, 62 tensors, unsigned)"]
     assert err == "warning: notes.txt: present but not listed in quantkit.json\n"
 
 
