@@ -307,12 +307,12 @@ def sign(artifact: str, key: str, signature: str | None, certificate: str | None
     """Sign an artifact folder that passes `quantkit verify` with OpenSSF model-signing (a Sigstore bundle over
     every file), offline: with a private key, or a certificate. Keyless Sigstore signing needs the network and is
     not offered."""
-    from .signing import sign as sign_artifact
+    from .verify import sign_verified
 
     if bool(certificate_chain) != bool(certificate):  # model-signing 1.1 fails on a certificate with no chain
         raise QuantkitError("--certificate, --certificate-chain: certificate signing takes both (the chain holds at "
                             "least the issuer's certificate)")
-    out = sign_artifact(Path(artifact), key, signature, certificate, certificate_chain)
+    out = sign_verified(Path(artifact), key, signature, certificate, certificate_chain)
     click.echo(f"sign: {artifact} signed ({'certificate' if certificate else 'key'}); signature {out}")
 
 

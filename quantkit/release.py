@@ -26,6 +26,7 @@ from .quantize.calibration import parts_of
 from .quantize.checkpoint import run_key
 from .quantize.run import recipe_fingerprint, run_quantize
 from .recipe import Recipe
+from .verify import sign_verified
 from .versions import package_versions
 
 CARD = "README.md"
@@ -184,7 +185,7 @@ class Release:
                                      "rewritten card (set release.sign_key, or remove it)")
             return []
         self.report.info(f"release: sign ({len(folders)} folders)")
-        return [str(signing.sign(f, key)) for f in folders]
+        return [str(sign_verified(f, key)) for f in folders]
 
     def run(self) -> dict:
         start = time.perf_counter()

@@ -20,6 +20,7 @@ carries code.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,16 @@ class Verification:
 
 def _more(problems: list[str]) -> str:
     return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
+def sign_verified(folder: Path, key: str | Path, signature: str | Path | None = None,
+                  certificate: str | Path | None = None, chain: Sequence[str | Path] = ()) -> Path:
+    """Signs an artifact only if it passes verify: a signature vouches for what it covers."""
+    signing.check_key(key)
+    result = verify(folder)
+    if not result.ok:
+        raise QuantkitError(f"ARTIFACT: {folder} fails verify, not signed: {result.first_failure()}")
+    return signing.sign(folder, key, signature, certificate, chain)
 
 
 def verify(path: str | Path, tokens: int = 8, signature: str | Path | None = None,
