@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import BUNDLED
+from ..data import BUNDLED, utf8_text
 from ..errors import QuantkitError
 from ..progress import Reporter
 
@@ -27,7 +27,7 @@ def load_prompts(path: str | None) -> list[str]:
     if not file.is_file():
         raise QuantkitError(f"--gen-prompts: file not found: {file}")
     prompts = []
-    for i, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(utf8_text(file, "--gen-prompts").splitlines(), 1):
         if not line.strip():
             continue
         try:
