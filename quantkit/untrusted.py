@@ -91,9 +91,9 @@ def inside(folder: Path, name: object, where: str) -> Path:
     target = (folder / name).resolve()
     roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
     if not any(target.is_relative_to(r) for r in roots):
-        raise QuantkitError(f"{where} '{name}' resolves to {target}, outside the model folder {root}")
+        raise QuantkitError(f"{where} {name!r} resolves to {target}, outside the model folder {root}")
     if not target.is_file():
-        raise QuantkitError(f"{where} '{name}' is not a file in {folder}")
+        raise QuantkitError(f"{where} {name!r} is not a file in {folder}")
     return target
 
 
@@ -122,26 +122,26 @@ def safetensors_header(path: Path) -> dict[str, dict]:
     spans = []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise _bad(path, f"tensor '{name}' is {str(info)[:60]}; expected {{dtype, shape, data_offsets}}")
+            raise _bad(path, f"tensor {name!r} is {str(info)[:60]}; expected {{dtype, shape, data_offsets}}")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-            raise _bad(path, f"tensor '{name}' has dtype {dtype!r}; expected one of {', '.join(DTYPE_BITS)}")
+            raise _bad(path, f"tensor {name!r} has dtype {dtype!r}; expected one of {', '.join(DTYPE_BITS)}")
         if not _ints(shape):
-            raise _bad(path, f"tensor '{name}' has shape {shape!r}; expected a list of non-negative integers")
+            raise _bad(path, f"tensor {name!r} has shape {shape!r}; expected a list of non-negative integers")
         if not (_ints(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-            raise _bad(path, f"tensor '{name}' has data_offsets {offsets!r}; expected [begin, end]")
+            raise _bad(path, f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end]")
         nbytes = math.prod(shape) * DTYPE_BITS[dtype] // 8
         if offsets[1] - offsets[0] != nbytes:
-            raise _bad(path, f"tensor '{name}' spans {offsets[1] - offsets[0]} bytes; its {dtype} shape {shape} "
+            raise _bad(path, f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes; its {dtype} shape {shape} "
                              f"takes {nbytes}")
         if offsets[1] > size - 8 - n:
-            raise _bad(path, f"tensor '{name}' has data_offsets {offsets}, outside the file's {size - 8 - n} data "
+            raise _bad(path, f"tensor {name!r} has data_offsets {offsets}, outside the file's {size - 8 - n} data "
                              "bytes")
         spans.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(spans):  # the spec: the tensors tile the data, no overlaps, no gaps
         if begin != end:
-            raise _bad(path, f"tensor '{name}' starts at data byte {begin}, "
+            raise _bad(path, f"tensor {name!r} starts at data byte {begin}, "
                              f"{'inside the tensor before it' if begin < end else 'after a gap'}; expected {end}")
         end = stop
     if end != size - 8 - n:
@@ -166,9 +166,9 @@ def weight_map(folder: Path) -> dict[str, str] | None:
         headers = {f: safetensors_header(inside(folder, f, f"{index}: weight_map entry")) for f in set(file_of.values())}
         for key, f in file_of.items():
             if key not in headers[f]:
-                raise _bad(index, f"weight_map puts '{key}' in {f}, which holds no such tensor")
+                raise _bad(index, f"weight_map puts {key!r} in {f}, which holds no such tensor")
         return file_of
-    if (folder / "model.safetensors").exists():
+    if (folder / "model.safetensors").exists() or (folder / "model.safetensors").is_symlink():  # dangling too
         path = inside(folder, "model.safetensors", str(folder))
         return {k: "model.safetensors" for k in safetensors_header(path)}
     return None
@@ -180,7 +180,7 @@ def _index(folder: Path, index: Path) -> dict[str, str]:
     if not isinstance(file_of, dict) or not file_of:
         raise _bad(index, f"weight_map is {str(file_of)[:40]}; expected a mapping of tensor name to shard file")
     for key, name in file_of.items():
-        inside(folder, name, f"{index}: weight_map['{key}']")
+        inside(folder, name, f"{index}: weight_map[{key!r}]")
     return file_of
 
 
