@@ -75,8 +75,11 @@ def check_config(path: Path) -> dict:
             if isinstance(value, dict):
                 walk(value, f"{prefix}{key}.")
             elif key in BOUNDS and value is not None:
-                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= BOUNDS[key]:
-                    raise _bad(path, f"{prefix}{key} is {value!r}; expected an integer from 0 to {BOUNDS[key]}")
+                per_layer = value if isinstance(value, list) else [value]  # some families give one per layer
+                if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= BOUNDS[key]
+                           for v in per_layer):
+                    raise _bad(path, f"{prefix}{key} is {value!r:.40}; expected an integer from 0 to "
+                                     f"{BOUNDS[key]}")
 
     walk(cfg, "")
     return cfg
@@ -122,7 +125,7 @@ def safetensors_header(path: Path) -> dict[str, dict]:
     spans = []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise _bad(path, f"tensor {name!r} is {str(info)[:60]}; expected {{dtype, shape, data_offsets}}")
+            raise _bad(path, f"tensor {name!r} is {info!r:.60}; expected {{dtype, shape, data_offsets}}")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
             raise _bad(path, f"tensor {name!r} has dtype {dtype!r}; expected one of {', '.join(DTYPE_BITS)}")
@@ -178,7 +181,7 @@ def _index(folder: Path, index: Path) -> dict[str, str]:
     body = _json_file(index)
     file_of = body.get("weight_map") if isinstance(body, dict) else None
     if not isinstance(file_of, dict) or not file_of:
-        raise _bad(index, f"weight_map is {str(file_of)[:40]}; expected a mapping of tensor name to shard file")
+        raise _bad(index, f"weight_map is {file_of!r:.40}; expected a mapping of tensor name to shard file")
     for key, name in file_of.items():
         inside(folder, name, f"{index}: weight_map[{key!r}]")
     return file_of
