@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
 
-from .errors import QuantkitError
+from .errors import QuantkitError, first_line
 from .files import write_json_atomic
 from .progress import Reporter
 from .versions import package_versions
@@ -22,9 +24,25 @@ def write_json(path: str | None, body: dict) -> None:
         write_json_atomic(path, body)
 
 
-@click.group()
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        """The last resort: an error no check turned into a QuantkitError is still one line (its traceback with
+        --debug or QUANTKIT_DEBUG=1)."""
+        try:
+            return super().invoke(ctx)
+        except (QuantkitError, click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as err:
+            if ctx.params.get("debug") or os.environ.get("QUANTKIT_DEBUG") == "1":
+                traceback.print_exc()
+            raise QuantkitError(f"{type(err).__name__}: {first_line(err)} (an unexpected error; --debug shows "
+                                "where)") from None
+
+
+@click.group(cls=_Group)
 @click.version_option(package_name="quantkit")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help="Print the traceback of an unexpected error.")
+def cli(debug: bool) -> None:
     """Quantize causal LMs and measure what it cost."""
 
 
@@ -40,8 +58,6 @@ def quantize(recipe_path: str, overwrite: bool, no_resume: bool, quiet: bool, js
              nproc: int) -> None:
     """Quantize the model a YAML recipe names and write its artifacts. A run killed mid-way resumes from its
     last finished block when started again with the same recipe."""
-    import os
-
     # read by torch once, at its first allocation (so before it is imported): tensors of 2 MB and more get transparent
     # huge pages where the kernel grants them on request. A run maps and unmaps every block-sized temporary
     # (quantize/source.py); each then faults once per 2 MB instead of once per 4 KB page
@@ -174,7 +190,7 @@ def report(items, out_dir, **kw) -> None:
         if item.endswith(".json"):
             try:
                 body = json.loads(Path(item).read_text())
-            except (OSError, json.JSONDecodeError) as err:
+            except (OSError, ValueError) as err:  # ValueError: not JSON, not UTF-8
                 raise QuantkitError(f"{item}: not a readable quantkit eval JSON ({err})") from None
             if "ppl" not in body or "size_bytes" not in body:
                 raise QuantkitError(f"{item}: not a quantkit eval JSON (no 'ppl' / 'size_bytes')")
@@ -232,13 +248,16 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
     """Memory and tokens/s of each ARTIFACT on the device with real low-bit kernels (and of the original with
     --baseline, once), a roofline of each decode run; results also go into each artifact's quantkit.json."""
     from .bench import runner, serving
-    from .model import resolve_model_path
+    from .model import load_config, resolve_model_path
+    from .untrusted import check_positions
 
     for artifact in artifacts:
         if not Path(artifact).exists():
             raise QuantkitError(f"ARTIFACT: not found: {artifact}")
     if baseline:  # checked before minutes of benching, not when its turn comes last
         resolve_model_path(baseline, "--baseline")
+    for model in [*artifacts, *([baseline] if baseline else [])]:
+        check_positions(load_config(model)[0], prompt_len + gen_len, "--prompt-len + --gen-len", model)
     rep = Reporter(quiet)
     if engine == "vllm":
         o = serving.ServingOptions(baseline=baseline, concurrency=batches, prompt_len=prompt_len, gen_len=gen_len,
@@ -356,7 +375,7 @@ def gate(report_path: str, recipe_path: str | None, json_out: str | None) -> Non
 
     try:
         body = json.loads(Path(report_path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: not JSON, not UTF-8
         raise QuantkitError(f"{report_path}: not a readable release report ({err})") from None
     if not isinstance(body, dict) or "eval" not in body or "gates" not in body:
         raise QuantkitError(f"{report_path}: not a quantkit release report (no 'eval' / 'gates')")

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .errors import QuantkitError
+from .errors import QuantkitError, first_line
 from .files import cache_root, write_atomic
 
 BUNDLED = Path(__file__).resolve().parents[1] / "evals" / "data"
@@ -87,7 +87,7 @@ def load_prompts(path: str | None) -> list[str]:
     if not file.is_file():
         raise QuantkitError(f"--gen-prompts: file not found: {file}")
     prompts = []
-    for i, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(utf8_text(file, "--gen-prompts").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -135,17 +135,26 @@ def wikitext_rows_text(raw: str) -> str:
     return "\n\n".join(rows)
 
 
+def utf8_text(path: Path, field: str) -> str:
+    """A text file that must be UTF-8: a binary one is one line naming the first byte that is not."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise QuantkitError(f"{field}: {path}: byte {err.start} ({err.object[err.start]:#04x}) is not UTF-8; "
+                            "expected a UTF-8 text file") from None
+
+
 def read_text(path: Path, text_field: str = "text", field: str = "dataset",
               render_chat: Callable[[list[dict]], str] = plain_chat) -> str:
     """The file as one text; .jsonl rows are `text_field` strings or `messages` conversations (render_chat)."""
     suffix = path.suffix.lower()
     if suffix == ".raw":
-        text = wikitext_rows_text(path.read_text(encoding="utf-8"))
+        text = wikitext_rows_text(utf8_text(path, field))
     elif suffix == ".txt":
-        text = path.read_text(encoding="utf-8")
+        text = utf8_text(path, field)
     elif suffix == ".jsonl":
         docs = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for i, line in enumerate(utf8_text(path, field).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -165,7 +174,10 @@ def read_text(path: Path, text_field: str = "text", field: str = "dataset",
             import pyarrow.parquet as pq
         except ImportError:
             raise QuantkitError(f"{field}: reading .parquet needs pyarrow (pip install pyarrow)") from None
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise QuantkitError(f"{field}: {path}: not a readable parquet file ({first_line(err)})") from None
         if text_field not in table.column_names:
             raise QuantkitError(f"{field}: {path} has no column '{text_field}' (columns: {table.column_names})")
         text = "\n\n".join(str(x) for x in table.column(text_field).to_pylist())

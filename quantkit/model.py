@@ -4,7 +4,9 @@ its decoder blocks and their Linear layers from the module structure."""
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from torch import nn
 from .errors import QuantkitError
 from .families import SUPPORTED_FAMILIES
 from .families.moe import Experts
+from .untrusted import check_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,8 +96,8 @@ def load_tokenizer(spec: str):
 
     folder, gguf = resolve_model_path(spec)
     quiet_transformers()
-    try:
-        return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+    try:  # trust_remote_code=False: a tokenizer_config.json's auto_map is never run (nor asked about on stdin)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **({"gguf_file": gguf} if gguf else {}))
     except (OSError, ValueError, ImportError) as err:
         raise _load_error(spec, err) from None
 
@@ -104,14 +107,21 @@ def load_model(spec: str, dtype: str = "auto", tokenizer=None) -> Loaded:
     from transformers import AutoModelForCausalLM
 
     folder, gguf = resolve_model_path(spec)
+    check_model(folder, gguf)
     kwargs = {"gguf_file": gguf} if gguf else {}
     # GGUF tensors are dequantized to float32; HF folders keep their stored dtype under "auto".
     want = torch_dtype(dtype) if (dtype != "auto" or gguf) else "auto"
     tokenizer = tokenizer or load_tokenizer(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=want, low_cpu_mem_usage=True, **kwargs)
+        with warnings.catch_warnings():  # a refused pickle's protocol warning is no second line beside its error
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=want, low_cpu_mem_usage=True,
+                                                         trust_remote_code=False, **kwargs)
     except (OSError, ValueError, ImportError) as err:
         raise _load_error(spec, err) from None
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met a global it does not allow: code to run
+        raise QuantkitError(f"model: {folder}: a pickled pytorch_model.bin names code to run, which "
+                            "torch.load(weights_only=True) refuses; expected plain tensors (or safetensors)") from None
     model.eval()
     if gguf:  # GGUF weights arrive dequantized; the source format is history, not a quantization config
         model.config.__dict__.pop("quantization_config", None)
@@ -127,7 +137,7 @@ def meta_model(spec: str, config, dtype: torch.dtype) -> nn.Module:
 
     try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     except (ValueError, ImportError) as err:
         raise _load_error(spec, err) from None
     model.tie_weights()
@@ -139,9 +149,10 @@ def load_config(spec: str, dtype: str = "auto"):
     from transformers import AutoConfig
 
     folder, gguf = resolve_model_path(spec)
+    check_model(folder, gguf)
     quiet_transformers()
     try:
-        config = AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False, **({"gguf_file": gguf} if gguf else {}))
     except (OSError, ValueError, ImportError) as err:
         raise _load_error(spec, err) from None
     if dtype != "auto":

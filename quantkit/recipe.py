@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from .data import domain_name, expand
-from .errors import QuantkitError
+from .errors import QuantkitError, first_line
 
 FORMAT_BITS = {"gptq": (2, 3, 4, 8), "compressed-tensors": (4, 8), "awq": (4,)}
 WEIGHT_ONLY_FORMATS = ("gptq", "awq")  # no activation quantization: W8A8 is compressed-tensors only
@@ -419,14 +419,42 @@ def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
         raise QuantkitError(format_validation_error(err, source)) from None
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """safe_load that refuses what a recipe never needs and could hide: a key given twice (YAML would keep the
+    last one silently) and anchors / aliases (a few lines of them expand to gigabytes)."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise yaml.composer.ComposerError(None, None, f"anchor or alias '{event.anchor}' (not accepted in a "
+                                              "recipe; write the value out)", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first on line {seen[key] + 1})", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise QuantkitError(f"{path}: recipe file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)
+    except UnicodeDecodeError as err:
+        raise QuantkitError(f"{path}: byte {err.start} is not UTF-8; expected a YAML text file") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise QuantkitError(f"{path}:{where} invalid YAML: {getattr(err, 'problem', err)}") from None
+        problem = getattr(err, "problem", None) or first_line(err)  # a ReaderError has none: its text is two lines
+        raise QuantkitError(f"{path}:{where} invalid YAML: {problem}") from None
+    except RecursionError:
+        raise QuantkitError(f"{path}: invalid YAML: nested too deeply") from None
     return parse_recipe(data, str(path))

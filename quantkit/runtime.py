@@ -23,6 +23,7 @@ from .families import moe
 from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
+from .untrusted import check_config, check_model
 
 DECODERS = {  # format -> (marker tensor suffix for a quantization_config, decoder)
     "gptq": (lambda qcfg: gptq.MARKER, gptq.decode_module),
@@ -37,7 +38,7 @@ def artifact_format(path: str | Path) -> str | None:
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return None
-    qcfg = json.loads(cfg.read_text()).get("quantization_config") or {}
+    qcfg = check_config(cfg).get("quantization_config") or {}
     method = qcfg.get("quant_method")
     if method is not None and method not in DECODERS:
         raise QuantkitError(f"{path}: quantization method '{method}' is not one quantkit reads ({', '.join(DECODERS)})")
@@ -86,6 +87,7 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     quiet_transformers()
 
     folder = Path(path)
+    check_model(path, None)  # its config.json's bounds, index and safetensors headers, before the skeleton
     raw = json.loads((folder / "config.json").read_text())
     qcfg = raw.pop("quantization_config")
     stored = torch_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
@@ -121,4 +123,4 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     elif kept:
         swap_w4a16_linears(model, kept, int4_device, backend)
     model.eval()
-    return Loaded(model, AutoTokenizer.from_pretrained(str(folder)), str(folder))
+    return Loaded(model, AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False), str(folder))

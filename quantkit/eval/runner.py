@@ -162,7 +162,7 @@ def evaluate(model_path: str, o: EvalOptions, report: Reporter, engine=None) -> 
         vllm_dtype = serving_dtype(served_config(model_path, "MODEL"))
     with report.timed("load"):
         loaded = None if vllm else runtime.load(model_path, o.dtype)
-        tokenizer = AutoTokenizer.from_pretrained(model_path) if vllm else loaded.tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False) if vllm else loaded.tokenizer
     expanded = data.expand(o.datasets)
     specs = {data.domain_name(d): d for d in expanded}  # table name -> domain or file
     if len(specs) < len(expanded):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import QuantkitError
+from ..untrusted import check_finite
 from . import awq, compressed_tensors, gptq
 from .base import Encoded, Fp8Weight, QuantInfo, QuantizedWeight
 
@@ -187,7 +188,10 @@ class ArtifactWriter:
             raise QuantkitError(f"export.output: {self.dest} already exists (pass --overwrite to replace it)")
         self.tmp = self.dest.parent / f".{self.dest.name}.partial-{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+        try:
+            self.tmp.mkdir(parents=True)
+        except OSError as err:  # a read-only file system, a file where a folder should be
+            raise QuantkitError(f"export.output: cannot write {self.dest}: {err.strerror or err}") from None
         self.shards = ShardWriter(self.tmp, max_shard_bytes)
 
     def __enter__(self) -> "ArtifactWriter":
@@ -207,9 +211,12 @@ class ArtifactWriter:
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and module in qweights:
             for key, packed in encode(self.fmt, {module: qweights[module]}, self.info, self.dtype).tensors.items():
+                check_finite(self.names(key), packed)
                 self.shards.add(self.names(key), packed)
         else:
-            self.shards.add(self.names(name), t.to(self.dtype) if t.is_floating_point() else t)
+            t = t.to(self.dtype) if t.is_floating_point() else t
+            check_finite(self.names(name), t)  # an embedding, norm or head: no Linear check saw it
+            self.shards.add(self.names(name), t)
 
     def finish(self, config, tokenizer, generation_config, manifest: dict) -> Path:
         """config: the model's PretrainedConfig; writes config.json with the format's quantization_config."""
@@ -217,6 +224,7 @@ class ArtifactWriter:
         encoded = encode(self.fmt, {}, self.info, self.dtype)
         cfg = config.to_dict()
         cfg.pop("quantization_config", None)
+        cfg.pop("auto_map", None)  # a pointer to custom code: an artifact never carries one on
         cfg["dtype"] = str(self.dtype).removeprefix("torch.")
         cfg["quantization_config"] = encoded.quantization_config
         (self.tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -21,9 +21,11 @@ from ..model import (decoder_blocks, load_config, load_model, load_tokenizer, me
 from ..progress import Reporter
 from ..recipe import Recipe, parse_size
 from ..resources import host_available, peak_rss_bytes, reset_peak_rss, rss_bytes
+from ..untrusted import check_finite, check_positions
 from ..versions import package_versions
 from . import calibration, distributed, memory, pipeline
 from .activations import FOLDER as ACTIVATIONS
+from .checkpoint import FOLDER as RESUME
 from .checkpoint import BlockCheckpoints, run_key
 from .memory import fmt_bytes
 from .source import InMemory, Streamed
@@ -71,6 +73,8 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
         report.info(free)
         raise err from None
     report.info(f"{chosen.describe()}; {free}")
+    if recipe.needs_calibration:  # past its positions OPT's embedding fails, Llama's RoPE runs on untrained
+        check_positions(skeleton.config, recipe.calibration.seq_len, "calibration.seq_len", recipe.model)
     return streamed, chosen, replace(offload, folder=Path(recipe.export.output) / ACTIVATIONS)
 
 
@@ -91,15 +95,52 @@ def run_quantize(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool
     """Writes every format of the recipe's export; returns the summary `quantkit quantize --json` prints. Under
     torchrun every rank calls this; rank 0 prints progress and writes the artifacts."""
     out_root = Path(recipe.export.output)
-    ranks = distributed.init(pick_device(recipe.device).type, out_root / distributed.FOLDER)
-    report.quiet = report.quiet or ranks.rank > 0
+    made = _make_output(out_root)
     try:
-        summary = _run(recipe, overwrite, report, resume, ranks)
-    except QuantkitError as err:
-        raise QuantkitError(ranks.record_failure(str(err))) from None
-    finally:
-        ranks.close()
+        ranks = distributed.init(pick_device(recipe.device).type, out_root / distributed.FOLDER)
+        report.quiet = report.quiet or ranks.rank > 0
+        try:
+            summary = _run(recipe, overwrite, report, resume, ranks)
+        except QuantkitError as err:
+            raise QuantkitError(ranks.record_failure(str(err))) from None
+        finally:
+            ranks.close()
+    except Exception:  # not KeyboardInterrupt: an interrupted run keeps its folder to resume from
+        if made is not None:
+            _take_back(out_root, made)
+        raise
     return summary
+
+
+def _make_output(out: Path) -> Path | None:
+    """Creates export.output before any work; returns the topmost folder this made (None: it existed). A file in
+    the way, or a place no folder can be made or written, is one line now, not a traceback after the work."""
+    if out.exists() and not out.is_dir():
+        raise QuantkitError(f"export.output: {out} is a file; expected a folder (or a path not taken yet)")
+    top = next((p for p in [out.absolute(), *out.absolute().parents] if p.parent.exists()), None)
+    made = None if out.exists() else top
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise QuantkitError(f"export.output: cannot create {out}: {err.strerror or err}") from None
+    if not os.access(out, os.W_OK):
+        raise QuantkitError(f"export.output: {out} is not writable")
+    return made
+
+
+def _take_back(out: Path, top: Path) -> None:
+    """A failed run removes the folders it made; per-block resume checkpoints stay for the next try."""
+    for p in out.iterdir():
+        if p.is_dir() and p.name != RESUME:
+            shutil.rmtree(p, ignore_errors=True)
+        elif not p.is_dir():
+            p.unlink(missing_ok=True)
+    for p in [out.absolute(), *out.absolute().parents]:
+        if any(p.iterdir()):
+            return
+        p.rmdir()
+        if p == top:
+            return
 
 
 def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks: distributed.Ranks) -> dict:
@@ -149,6 +190,8 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
             report.info(f"moe: {len(moe_blocks)} blocks of {len(moe_blocks[0][1])} experts as "
                         f"per-expert Linears (calibrate_all_experts {str(recipe.moe.calibrate_all_experts).lower()})")
         report.info(f"loaded {recipe.model} ({type(model).__name__}, {model.dtype}) in {report.timings['load']:.1f} s")
+        for name, p in model.named_parameters():  # before NaN spreads to every activation
+            check_finite(name, p)
     else:
         model, source, names = streamed.model, streamed, streamed.names
         report.info(f"streaming {recipe.model} ({type(model).__name__}, {streamed.dtype}) block by block")

@@ -17,7 +17,6 @@ Both write the same tensors in the same order, so their safetensors are byte-ide
 from __future__ import annotations
 
 import ctypes
-import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from ..errors import QuantkitError
 from ..export.artifact import INDEX_NAME, WEIGHTS_NAME, ArtifactWriter, stored_keys
 from ..families import moe
 from ..model import decoder_blocks, load_config, load_tokenizer, meta_model
+from ..untrusted import check_finite, weight_map
 
 def _libc():
     try:
@@ -90,17 +90,12 @@ class Checkpoint:
     maps its whole file, and every page a read touched would stay resident for as long as it is open."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         self.folder = folder
-        if (folder / INDEX_NAME).is_file():
-            self.file_of = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
-        elif (folder / WEIGHTS_NAME).is_file():
-            with safe_open(str(folder / WEIGHTS_NAME), "pt") as f:
-                self.file_of = {k: WEIGHTS_NAME for k in f.keys()}
-        else:
+        file_of = weight_map(folder)  # every header checked, every file inside the folder
+        if file_of is None:
             raise QuantkitError(f"model: {folder} has no {WEIGHTS_NAME} or {INDEX_NAME} "
                                 "(load: stream reads safetensors checkpoints; use load: memory)")
+        self.file_of = file_of
 
     @contextmanager
     def slices(self, keys: list[str]):
@@ -208,6 +203,8 @@ class Streamed:
             def load(module, args):
                 if any(p.device.type == "meta" for p in module.parameters(recurse=False)):
                     self._load([f"{name}.{n}" for n, _ in module.named_parameters(recurse=False)], "cpu")
+                    for n, p in module.named_parameters(recurse=False):  # before NaN spreads to every activation
+                        check_finite(f"{name}.{n}", p)
             return load
 
         handles = [m.register_forward_pre_hook(hook(name)) for name, m in outer]

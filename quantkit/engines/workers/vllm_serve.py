@@ -40,7 +40,7 @@ def load(state: dict, req: dict) -> dict:
     _drop(state)
     state["llm"] = LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["max_model_len"],
                        max_logprobs=req["max_logprobs"], enforce_eager=True, max_num_seqs=req.get("max_num_seqs", 16),
-                       seed=0)
+                       seed=0, trust_remote_code=False)
     config = state["llm"].llm_engine.model_config
     return {"vllm": vllm.__version__, "quantization": config.quantization, "dtype": str(config.dtype)}
 
