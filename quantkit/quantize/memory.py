@@ -13,8 +13,9 @@ The parts (bytes on top of the process as it starts):
                  in host memory or on disk (calibration.offload; disk: host memory holds the batch in transit)
   activations    the block's largest intermediate tensors during the forward of one batch of windows (the MLP's
                  and the attention's; calibration.batch_size). It runs in micro-batches (microbatches.py): one
-                 micro-batch's temporaries, plus, where GPTQ keeps them in step, what every window holds at a barrier
-                 (on a CPU, a wide Linear's input is parked on disk instead: parking.py)
+                 micro-batch's temporaries, plus, in GPTQ's one forward, what every window holds at once (on a CPU,
+                 a wide Linear's input is parked on disk instead: parking.py); where SmoothQuant folds inside that
+                 forward, or experts route by the data, every window's temporaries at once
   solver         quantizing and packing the widest weight (float32 copies, codes, packed words); GPTQ adds the
                  Hessian of the widest input and its factors
   runtime        a fixed allowance for what the allocator keeps after a free, Python objects and lazily loaded code
@@ -189,18 +190,25 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         attn = batch * heads * c.seq_len * c.seq_len * elt if \
             getattr(cfg, "_attn_implementation", "eager") == "eager" else 0
         # during a micro-batch's forward: the MLP's three widest activations and one hidden-sized temporary, the
-        # attention; GPTQ's in-step micro-batches (dense blocks, no smoothing inside its forward) all hold the widest
-        # Linear's input, the residual and the MLP's input at a barrier, unless that input is parked on disk
+        # attention. GPTQ's one forward over every window keeps its micro-batches in step, or, where a scale is folded
+        # inside it (SmoothQuant right before gptq) or experts route by the data, runs every window at once. Either
+        # way every window holds the residual and the MLP's input at once, with their copies: W8A8's quantized one,
+        # and the smoothed one; in step, each also holds the widest Linear's input (and its W8A8 copy) at a barrier,
+        # unless that is parked on disk
         micro = microbatches.size(batch, c.seq_len)
+        w8a8 = int(getattr(weight_stage, "activations", None) is not None)
+        smoothed = int(bool(recipe.transforms) and recipe.transforms[-1].name == "smoothquant")
+        one_forward = recipe.stage.name == "gptq" and offload.batch_size is None
+        if one_forward and (smoothed or moe.experts_of(model)):
+            micro = batch
         attn = attn * micro // batch
         acts = micro * c.seq_len * elt * (3 * inter + cfg.hidden_size) + attn
-        inline_smoothing = recipe.transforms and recipe.transforms[-1].name == "smoothquant"
-        if recipe.stage.name == "gptq" and not moe.experts_of(model) and not inline_smoothing and micro < batch:
+        if one_forward:
             parked = parking.worth_it(widest_in, device)
-            acts += batch * c.seq_len * elt * ((0 if parked else inter) + 2 * cfg.hidden_size)
+            barrier = 0 if micro == batch or parked else (1 + w8a8) * inter
+            acts += batch * c.seq_len * elt * (barrier + (2 + w8a8 + smoothed) * cfg.hidden_size)
             if parked:  # every window's input to it (W8A8: and its quantized copy) and to the MLP, and the block
-                copies = 2 if getattr(weight_stage, "activations", None) is not None else 1
-                p.disk["parked"] = batch * c.seq_len * elt * (copies * widest_in + cfg.hidden_size) + block_bytes
+                p.disk["parked"] = batch * c.seq_len * elt * ((1 + w8a8) * widest_in + cfg.hidden_size) + block_bytes
                 p.advice["parked"] = "free disk space under export.output, or lower calibration.num_samples"
         hidden = 2 * c.num_samples * per_window  # every window entering and leaving the block
         if offload.where != "device":
@@ -215,8 +223,6 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
             acts += 2 * min(c.num_samples, max(batch, -(-MODULE_LOSS_TOKENS // c.seq_len))) * per_window
             acts += min(awq_stage.clip_tokens, c.num_samples * c.seq_len) * max(inputs_by_block.values(), default=0) \
                 * elt
-        elif any(s.name == "smoothquant" for s in recipe.stages):
-            acts += 2 * batch * per_window
         # AWQ's Gram matrix of up -> down (freed before the weight stage's Hessians exist), GPTQ's Hessian of the
         # widest input: the fp64 upper triangle, then the fp32 matrix made and factored in its storage (gptq.py)
         if any(s.name == "awq" for s in recipe.stages) or recipe.stage.name == "gptq":

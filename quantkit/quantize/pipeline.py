@@ -490,6 +490,8 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         if known is not None and known[0]() is x:
             seen_inputs[c].move_to_end(id(x))
             return (x if act is None else known[1]), known[2]
+        for gone in [k for k, (ref, _, _) in seen_inputs[c].items() if ref() is None]:  # W8A8: no x, no use for
+            del seen_inputs[c][gone]  # its quantized copy (the attention's, through the MLP)
         _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
         # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
         xq = x if act is None else fake_quantize_tokens(x, act)

@@ -19,6 +19,7 @@ and the clipping samples by their index among all windows. A Linear's clip searc
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -128,10 +129,13 @@ class SmoothQuantPass:
         def hook(k: int, m: Mapping):
             def pre_hook(module: nn.Module, inputs: tuple) -> tuple:
                 x, st = inputs[0], seen.setdefault(k, {})
-                if st.get("x") is not x:  # q/k/v (gate/up) read one tensor: one scale, folded once
+                for other in seen.values():  # x / s lives as long as x: not the attention's through the MLP
+                    if "x" in other and other["x"]() is None:
+                        del other["x"], other["xs"]
+                if "x" not in st or st["x"]() is not x:  # q/k/v (gate/up) read one tensor: one scale, folded once
                     if "s" not in st:
                         st["s"] = self._fold(i, m, self.ranks.all_reduce(channel_absmax(x), "max"))
-                    st.update(x=x, xs=x / st["s"].to(x.device, x.dtype))
+                    st.update(x=weakref.ref(x), xs=x / st["s"].to(x.device, x.dtype))
                 return (st["xs"], *inputs[1:])
 
             return pre_hook
