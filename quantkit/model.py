@@ -120,7 +120,7 @@ def load_model(spec: str, dtype: str = "auto", tokenizer=None) -> Loaded:
     except (OSError, ValueError, ImportError) as err:
         raise _load_error(spec, err) from None
     except pickle.UnpicklingError:  # torch.load(weights_only=True) met a global it does not allow: code to run
-        raise QuantkitError(f"model: {folder}: a pickled pytorch_model.bin names code to run, which "
+        raise QuantkitError(f"model: {folder}: its pickled pytorch_model.bin names a global to call, which "
                             "torch.load(weights_only=True) refuses; expected plain tensors (or safetensors)") from None
     model.eval()
     if gguf:  # GGUF weights arrive dequantized; the source format is history, not a quantization config

@@ -161,7 +161,7 @@ def custom_code_model(tiny_llama, folder: Path, marker: Path, model_type: str = 
 
 @pytest.mark.parametrize("command", ["quantize", "eval"])
 @pytest.mark.parametrize("make, says", [
-    (pickled_model, "error: model: {model}: a pickled pytorch_model.bin names code to run, which "
+    (pickled_model, "error: model: {model}: its pickled pytorch_model.bin names a global to call, which "
                     "torch.load(weights_only=True) refuses"),
     (custom_code_model, "error: {model}/config.json: auto_map names custom code for model_type 'evil'; quantkit "
                         "never runs a model's own code (supported: Llama, "),
