@@ -94,7 +94,7 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     want = stored if dtype == "auto" else torch_dtype(dtype)
     config = AutoConfig.for_model(**raw)
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=want)
+        model = AutoModelForCausalLM.from_config(config, dtype=want, trust_remote_code=False)
     ours = moe.prepare(model).inverse()  # per-expert Linears; the artifact keeps the original checkpoint's names
     state, qweights = quantized_state_dict(folder, fmt, qcfg, want)
     state = {ours(k): v for k, v in state.items()}

@@ -277,7 +277,7 @@ def _meta_model(folder: Path, v: Verification):
         dtype = torch_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
         config = AutoConfig.for_model(**raw)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     # any error transformers raises for a bad config (ValueError, KeyError, TypeError, ...) is a finding here
     except Exception as err:
         v.add("config", False, f"config.json: {first_line(err)}")
