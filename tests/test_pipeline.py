@@ -153,6 +153,26 @@ def test_quantize_is_deterministic(tiny_llama, tmp_path, monkeypatch):
     assert digests[0]["model.safetensors"] == digests[1]["model.safetensors"]
 
 
+@pytest.mark.parametrize("load", ["memory", "stream"])
+def test_quantize_prints_each_artifact_once_complete(tiny_llama, tmp_path, monkeypatch, capsys, load):
+    """`wrote <format>: <path>` on stderr as each folder is finished (a newcomer sees where it is before the
+    timings); nothing under --quiet."""
+    printed = []
+
+    def info(self, msg):
+        if msg.startswith("wrote "):
+            fmt, path = msg.removeprefix("wrote ").split(": ")
+            printed.append((fmt, path.split(" (")[0], (tmp_path / "o" / fmt / "quantkit.json").exists()))
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "o", "rtn: {bits: 4, group_size: 32}",
+                          load=load)
+    assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
+    assert "wrote" not in capsys.readouterr().err
+    monkeypatch.setattr(Reporter, "info", info)
+    assert run_cli(monkeypatch, "quantize", recipe, "--overwrite") == 0
+    assert printed == [(f, str(tmp_path / "o" / f), True) for f in ("gptq", "compressed-tensors")]
+
+
 def test_sharded_artifact_loads_everywhere(tiny_llama, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 

@@ -150,3 +150,18 @@ def test_cli_reports_one_line_and_exit_code_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {recipe}: stages.0.gptq.bits: Input should be 2, 3, 4 or 8 (got 7)"
     assert "Traceback" not in proc.stderr
+
+
+def test_demo_recipe_is_the_shipped_one_on_fewer_windows():
+    """`make demo` quantizes recipes/smollm2-135m-gptq-w4a16-demo.yaml: only its calibration size and its output
+    folder may differ from the shipped recipe's."""
+    from pathlib import Path
+
+    recipes = Path(__file__).parent.parent / "recipes"
+    shipped = load_recipe(recipes / "smollm2-135m-gptq-w4a16.yaml").model_dump()
+    demo = load_recipe(recipes / "smollm2-135m-gptq-w4a16-demo.yaml").model_dump()
+    assert demo["calibration"]["num_samples"] < shipped["calibration"]["num_samples"]
+    assert demo["export"]["output"] != shipped["export"]["output"]
+    for r in (shipped, demo):
+        del r["calibration"]["num_samples"], r["export"]["output"]
+    assert demo == shipped

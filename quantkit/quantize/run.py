@@ -232,12 +232,12 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
                 streamed.finish()
                 for fmt, writer in streamed.writers.items():
                     writer.finish(model.config, tokenizer, streamed.generation_config, manifest)
-            report.info(f"wrote {', '.join(map(str, dests.values()))} in {report.timings['export']:.1f} s")
+                    report.info(f"wrote {fmt}: {dests[fmt]}")  # each path as soon as that folder is complete
         for fmt, dest in dests.items() if streamed is None and ranks.rank == 0 else ():
             with report.timed(f"export:{fmt}"):
                 write_artifact(dest, fmt, model, tokenizer, result.qweights, result.info, dtype, shard_bytes,
                                manifest, overwrite or unfinished, names)
-            report.info(f"wrote {dest} in {report.timings[f'export:{fmt}']:.1f} s")
+            report.info(f"wrote {fmt}: {dest} ({report.timings[f'export:{fmt}']:.1f} s)")
     if checkpoints is not None and ranks.rank == 0:
         checkpoints.clear()  # every artifact is complete: nothing left to resume
     ranks.finished()
