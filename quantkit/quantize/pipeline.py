@@ -436,16 +436,15 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                 moe_args: MoE = MoE(), micro: int | None = None, spill: Path | None = None) -> torch.Tensor:
     """The block's one forward over `hidden` (every window), in micro-batches of `micro` windows that keep in step
     (None: all at once), solving each Linear at its first call. One Hessian and one factorization per input tensor:
-    q/k/v and gate/up read one tensor, and so, when every expert sees every token, does every expert's gate/up. The
-    last two inputs of each micro-batch are kept (an expert's gate/up input, then its down_proj input, then the
-    next expert's gate/up input again).
-    groups: Linears that read one input, by name inside the block, for this kind of block (_shared_inputs): a
-    whole group is solved at its first call, in one GPTQ pass (spread over the ranks), and its factorization freed
-    then. At a wide Linear (parking.py) every micro-batch parks its inputs in files under `spill` as it reaches the
-    barrier, the Hessian reads them back a window at a time, and they return just before the Linear runs; the
-    block's quantized weights wait there until they are read again: the solve meets neither every window's input
-    nor the block. An expert Linear whose Hessian saw fewer
-    than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
+    q/k/v and gate/up read one tensor, and so, when every expert sees every token, does every expert's gate/up. The last
+    two inputs of each micro-batch still alive are kept, with their W8A8 copies (an expert's gate/up input, then its
+    down_proj input, then the next expert's gate/up input again).
+    groups: Linears that read one input, by name inside the block, for this kind of block (_shared_inputs): a whole
+    group is solved at its first call, in one GPTQ pass (spread over the ranks), and its factorization freed then. At a
+    wide Linear (parking.py) every micro-batch parks its inputs in files under `spill` as it reaches the barrier, the
+    Hessian reads them back a window at a time, and they return just before the Linear runs; the block's quantized
+    weights wait there until they are read again: the solve meets neither every window's input nor the block. An expert
+    Linear whose Hessian saw fewer than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
     spec, act = result.info.spec, result.info.activations
     by_name = {n: m for m, n in names.items()}
     parts = [hidden] if micro is None else microbatches.split(hidden, micro)
@@ -490,8 +489,7 @@ def _gptq_block(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
         if known is not None and known[0]() is x:
             seen_inputs[c].move_to_end(id(x))
             return (x if act is None else known[1]), known[2]
-        for gone in [k for k, (ref, _, _) in seen_inputs[c].items() if ref() is None]:  # W8A8: no x, no use for
-            del seen_inputs[c][gone]  # its quantized copy (the attention's, through the MLP)
+        seen_inputs[c] = OrderedDict((k, e) for k, e in seen_inputs[c].items() if e[0]() is not None)
         _check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
         # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
         xq = x if act is None else fake_quantize_tokens(x, act)
