@@ -9,8 +9,9 @@ or a test registers its own with `register`, without editing quantkit.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 from torch import nn
 
@@ -31,14 +32,15 @@ class Family:
 
 
 _REGISTERED: list[Family] = []  # in registration order: the supported-families message keeps it
-_FALLBACK: list[Family] = []  # the family of models no registered family claims (generic.py)
+_fallback: Family | None = None  # the family of models no registered family claims (generic.py's)
 
 
 def register(family: Family, fallback: bool = False) -> Family:
     """Adds `family`; a later registration wins a model_type or block class an earlier one covers. `fallback`: it
     becomes the family of every model no other family claims (replacing the previous fallback)."""
+    global _fallback
     if fallback:
-        _FALLBACK[:] = [family]
+        _fallback = family
     else:
         _REGISTERED.append(family)
     return family
@@ -55,7 +57,7 @@ def family_of(subject) -> Family:
     newest_first = _REGISTERED[::-1]
     found = next((f for f in newest_first if model_type in f.model_types), None) or next(
         (f for c in classes for f in newest_first if c in f.blocks), None)
-    return found or _FALLBACK[0]
+    return found or _fallback
 
 
 def supported() -> str:
@@ -68,7 +70,7 @@ def supported() -> str:
 def pooled(field: Literal["norms", "offset_norms", "qk_norms", "routers"]) -> tuple[str, ...]:
     """What every family (the fallback included) says about module classes and names, together, in registration
     order: what a norm class computes does not depend on the block it sits in."""
-    return tuple(dict.fromkeys(n for f in _REGISTERED + _FALLBACK for n in getattr(f, field)))
+    return tuple(dict.fromkeys(n for f in [*_REGISTERED, _fallback] if f for n in getattr(f, field)))
 
 
 class Pairs:
@@ -91,7 +93,7 @@ class Pairs:
     def has(self, path: str) -> bool:
         return self.get(path) is not None
 
-    def _linears(self, names: list[str]) -> list[nn.Module] | None:
+    def _linears(self, names: Sequence[str]) -> list[nn.Module] | None:
         mods = [self.get(n) for n in names]
         ok = all(isinstance(m, nn.Linear) or (n.rpartition(".")[2] in self.routers and getattr(m, "weight", None)
                                               is not None) for n, m in zip(names, mods))
@@ -109,7 +111,7 @@ class Pairs:
             return "width does not match the Linear inputs"
         return None
 
-    def norm(self, norm_name: str, names: list[str], inspect_name: str, placement: str | None = None) -> None:
+    def norm(self, norm_name: str, names: Sequence[str], inspect_name: str, placement: str | None = None) -> None:
         """norm_name -> names, the error measured on inspect_name's output; `placement`: why the norm may not be
         what feeds them (skips the pair)."""
         lins = self._linears(names)
@@ -121,7 +123,7 @@ class Pairs:
         if problem:
             self.notes.append(f"{norm_name} -> {','.join(names)}: skipped, {norm_name} {problem}")
             return
-        self.mappings.append(Mapping(norm, norm_name, lins, names, self.get(inspect_name), inspect_name,
+        self.mappings.append(Mapping(norm, norm_name, lins, list(names), self.get(inspect_name), inspect_name,
                                      offset=type(norm).__name__ in self.offset_norms))
 
     def linear(self, prev_name: str, name: str, problem: str | None = None, rows: slice | None = None) -> None:

@@ -7,13 +7,15 @@ gate,up); v_proj -> o_proj and up_proj -> down_proj fold too (the pairs follow A
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .family import Family, Pairs, register
 from .moe import Experts
 
-QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
-def attention(p: Pairs, norm: str | None, first: list[str] = QKV, placement: str | None = None) -> None:
+def attention(p: Pairs, norm: str | None, first: Sequence[str] = QKV, placement: str | None = None) -> None:
     """norm -> the Linears reading the attention input (`first`), scored on self_attn's output; v_proj -> o_proj
     where v is a Linear of its own (skipped under GQA: the shapes differ)."""
     if norm is None:
