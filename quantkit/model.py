@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .errors import QuantkitError
-from .families import SUPPORTED_FAMILIES
+from .families import supported
 from .families.moe import Experts
 from .untrusted import check_model
 
@@ -173,7 +173,7 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
                 best = (name, module)
     if best is None:
         raise QuantkitError(f"model: no decoder blocks of nn.Linear layers in {type(model).__name__} (unsupported "
-                            f"architecture; supported: {SUPPORTED_FAMILIES})")
+                            f"architecture; supported: {supported()})")
     return best
 
 
@@ -184,7 +184,7 @@ def check_supported(model: nn.Module, blocks: nn.ModuleList) -> None:
         if fused:
             raise QuantkitError(f"model: {type(model).__name__} keeps 3-D weights in {name}.{fused[0]} "
                                 f"({type(module).__name__}); quantkit quantizes experts it has unfused (moe.unfuse); "
-                                f"supported: {SUPPORTED_FAMILIES}")
+                                f"supported: {supported()}")
 
 
 def block_linears(block: nn.Module) -> dict[str, nn.Linear]:

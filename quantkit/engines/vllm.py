@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QuantkitError
-from ..families import VLLM_NO_FLOAT16
+from ..families import family_of
 
 # run as a script under vLLM's interpreter, from a folder with no module named like a package it imports
 WORKER = Path(__file__).parent / "workers" / "vllm_serve.py"
@@ -59,7 +59,7 @@ def serving_dtype(config: dict) -> str:
     """The dtype vLLM's CPU kernels serve a model's config.json in: W4A16 in float16 (vLLM refuses float32 for
     it, and bfloat16 drifts); W8A8 int8 in bfloat16, as its int8 GEMM has no float16 path; float16 elsewhere,
     except the families vLLM refuses float16 for."""
-    return "bfloat16" if int8_activations(config) or config.get("model_type") in VLLM_NO_FLOAT16 else "float16"
+    return "bfloat16" if int8_activations(config) or not family_of(config).vllm_float16 else "float16"
 
 
 # vLLM's x86 CPU wheel has three kernel libraries; only the AVX-512 ones hold cpu_gemm_wna16 (platforms/cpu.py)

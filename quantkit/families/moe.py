@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import QuantkitError
-from . import SUPPORTED_FAMILIES
+from .family import supported
 
 
 class Expert(nn.Module):
@@ -121,7 +121,7 @@ def unfuse(model: nn.Module) -> int:
         if odd or not hasattr(fused, "act_fn"):
             raise QuantkitError(f"model: {cls} stores its experts with {', '.join(odd) or 'no act_fn'}; quantkit "
                                 "unfuses [gate; up] concatenated, untransposed, bias-free experts only (supported: "
-                                f"{SUPPORTED_FAMILIES})")
+                                f"{supported()})")
         gate_up, down = fused.gate_up_proj, fused.down_proj
         n, two_inter, hidden = gate_up.shape
         inter = two_inter // 2
