@@ -59,7 +59,7 @@ def check_config(path: Path) -> dict:
     """config.json: a JSON object, no custom code, every count and dimension an integer within BOUNDS."""
     from transformers import CONFIG_MAPPING
 
-    from .families import SUPPORTED_FAMILIES
+    from .families import supported
 
     cfg = _json_file(path)
     if not isinstance(cfg, dict):
@@ -68,7 +68,7 @@ def check_config(path: Path) -> dict:
     # an auto_map next to a model_type transformers knows (Phi-3's hub config) is ignored: its own classes load
     if "auto_map" in cfg and not (isinstance(model_type, str) and model_type in CONFIG_MAPPING):
         raise _bad(path, f"auto_map names custom code for model_type {model_type!r}; quantkit never runs a model's "
-                         f"own code (supported: {SUPPORTED_FAMILIES})")
+                         f"own code (supported: {supported()})")
 
     def walk(node: dict, prefix: str) -> None:
         for key, value in node.items():
