@@ -14,7 +14,8 @@ from transformers.models.llama import modeling_llama
 
 from conftest import run_cli, write_recipe
 from quantkit import runtime
-from quantkit.families import Family, Pairs, family_of, register
+from quantkit.families import Family, Pairs, family_of, register, supported
+from quantkit.families import family as registry
 from quantkit.families.llama import attention, mlp
 from quantkit.families.mappings import find_mappings
 from tiny_models import add_outliers, tiny_tokenizer
@@ -121,9 +122,11 @@ def test_a_family_registered_from_outside_quantizes_exports_reloads_and_evaluate
     assert "KiwiDecoderLayer: not a known architecture; mappings were derived from module names" in notes
     assert any("KiwiRMSNorm is not known to compute" in n for n in notes)
 
-    family = register(Family(name="Kiwi", model_types=("kiwi",), blocks=("KiwiDecoderLayer",),
+    monkeypatch.setattr(registry, "_REGISTERED", list(registry._REGISTERED))  # registered for this test only
+    kiwi_family = register(Family(name="Kiwi", model_types=("kiwi",), blocks=("KiwiDecoderLayer",),
                              norms=("KiwiRMSNorm",), mappings=kiwi))
-    assert family_of(KiwiConfig()) is family and family_of({"model_type": "kiwi"}) is family
+    assert family_of(KiwiConfig()) is kiwi_family and family_of({"model_type": "kiwi"}) is kiwi_family
+    assert supported().endswith("OPT, Kiwi; MoE: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3")
     mappings, notes = find_mappings(block)
     assert {m.prev_name for m in mappings} == FOLDED and notes == []
     assert not any(m.offset for m in mappings)
