@@ -11,8 +11,10 @@ Cells:
   (WikiText-2, 16 x 64 windows, seed 0) of its recipe, plus the rtn-asym its AWQ cells are ranked against, on
   the tiny random model of that family with x6 outlier channels (tests/tiny_models.py, seed 0), as the test
   builds it. The model's own files are hashed too: a mismatch there means the model changed, not quantkit.
-- recipe/NAME: every recipes/*.yaml as shipped, except calibration.num_samples lowered to 16 (8 leaves the 5 %
-  fiction part of the AWQ recipes no window) and export.output in a temp folder; the cell records that override.
+- recipe/NAME: every recipes/*.yaml as shipped, except calibration.num_samples lowered to 8, or to the fewest
+  that still give every part of a mixture a window (11 for the AWQ recipes' 5 % fiction part), and export.output in
+  a temp folder; the cell records that override. Run cheapest first (fewest calibration tokens): a full recipe
+  takes minutes on 2 busy cores, and OUT.json is rewritten after every cell.
 `record` writes each cell's recipe into OUT.json and `check` replays those recipes, so later edits to the tests or
 the recipes do not move the baseline.
 
@@ -40,36 +42,33 @@ float kernels (torch versions, ISAs) may legitimately change the bytes.
 
 from __future__ import annotations
 
+import argparse
+import copy
+import fnmatch
+import hashlib
+import importlib.util
+import json
+import multiprocessing
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable
 
-# before torch is imported (by the imports below or the cells): one thread, whatever the machine
-os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
-
-import argparse  # noqa: E402
-import fnmatch  # noqa: E402
-import hashlib  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import multiprocessing  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import sysconfig  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from importlib.metadata import PackageNotFoundError, version  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
-
-import yaml  # noqa: E402
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 sys.path[:0] = [str(ROOT), str(TESTS)]  # this checkout's quantkit and tiny_models, not installed ones
 
 PACKAGES = ("torch", "transformers", "compressed-tensors", "safetensors", "tokenizers")
-RECIPE_SAMPLES = 16
+RECIPE_SAMPLES = 8
 OUTLIERS = 6.0  # test_families' outlier_factory
 MODEL, OUTPUT = "<model>", "<output>"  # placeholders in recorded recipes, filled per run
 VERSION_KEYS = {"transformers_version", "quantkit_version", "versions"}
@@ -104,17 +103,35 @@ def matrix_cells() -> dict[str, dict]:
     return cells
 
 
+def fewest_samples(calibration: dict) -> int:
+    """RECIPE_SAMPLES, or more where a mixture would leave a part without a window (quantkit's own split)."""
+    from quantkit.quantize.calibration import parts_of, shares
+    from quantkit.recipe import Calibration
+
+    weights = [p.weight for p in parts_of(Calibration(**calibration))]
+    n = RECIPE_SAMPLES
+    while min(shares(weights, n)) == 0:
+        n += 1
+    return n
+
+
 def recipe_cells() -> dict[str, dict]:
     cells = {}
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         recipe = yaml.safe_load(path.read_text())
         override: dict[str, Any] = {"export.output": "a temp folder"}
         recipe["export"]["output"] = OUTPUT
-        if "calibration" in recipe:  # RTN recipes without one calibrate nothing
-            recipe["calibration"]["num_samples"] = override["calibration.num_samples"] = RECIPE_SAMPLES
+        if "calibration" in recipe:  # the FP8 recipe has none: round-to-nearest calibrates nothing
+            n = recipe["calibration"]["num_samples"] = fewest_samples(recipe["calibration"])
+            override["calibration.num_samples"] = n
         cells[f"recipe/{path.stem}"] = {"model": recipe["model"], "source": f"recipes/{path.name}",
                                         "override": override, "recipe": recipe}
-    return cells
+    return dict(sorted(cells.items(), key=lambda kv: _tokens(kv[1]["recipe"])))
+
+
+def _tokens(recipe: dict) -> int:
+    c = recipe.get("calibration")
+    return c["num_samples"] * c["seq_len"] if c else 0
 
 
 def _build_tiny(arch: str, base: Path, dest: Path) -> None:
@@ -164,14 +181,16 @@ def _quantize(recipe: Path, summary: Path) -> None:
 def run_cell(name: str, cell: dict, model: str, tmp: Path, subs: list[tuple[str, str]]) -> dict:
     folder = tmp / "cells" / name.replace("/", "__").replace(" ", "_").replace("+", "-")
     folder.mkdir(parents=True)
-    recipe = json.loads(json.dumps(cell["recipe"]))
+    recipe = copy.deepcopy(cell["recipe"])
     recipe["model"], recipe["export"]["output"] = model, str(folder / "out")
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     code = forked(_quantize, (folder / "recipe.yaml", folder / "summary.json"), folder / "log.txt")
     result: dict[str, Any] = {"exit": code}
     if code != 0:
-        errors = [line for line in (folder / "log.txt").read_text().splitlines() if line.startswith("error:")]
-        result["error"] = normalize(errors[-1], subs) if errors else "no error line (see a traceback)"
+        lines = (folder / "log.txt").read_text().splitlines()
+        # the CLI's error line; or, for a crash, its traceback's last line
+        said = [line for line in lines if line.startswith("error:")] or lines[-1:] or ["no output"]
+        result["error"] = normalize(said[-1], subs)
     else:
         summary = json.loads((folder / "summary.json").read_text())
         result["summary"] = {k: v for k, v in flatten(summary).items()
@@ -265,8 +284,9 @@ def log(quiet: bool, line: str) -> None:
 
 # ---- record and check ----
 
-def run_all(cells: dict[str, dict], quiet: bool) -> tuple[dict, dict]:
-    """(model hashes by model, result by cell) for the given cells."""
+def run_all(cells: dict[str, dict], quiet: bool, done: Callable[[dict, dict], None] = lambda m, r: None
+            ) -> tuple[dict, dict]:
+    """(model hashes by model, result by cell) for the given cells; done(models, results) after each cell."""
     tmp = Path(tempfile.mkdtemp(prefix="artifact-hashes-"))
     subs = substitutions(tmp)
     models, paths, results = {}, {}, {}
@@ -278,6 +298,7 @@ def run_all(cells: dict[str, dict], quiet: bool) -> tuple[dict, dict]:
             results[name] = run_cell(name, cell, paths[cell["model"]], tmp, subs)
             log(quiet, f"[{i}/{len(cells)}] {name}: exit {results[name]['exit']}, "
                        f"{len(results[name].get('files', {}))} files, {time.perf_counter() - start:.1f} s")
+            done(models, results)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return models, results
@@ -293,14 +314,18 @@ def selected(cells: dict[str, dict], pattern: str | None) -> dict[str, dict]:
 def record(out: Path, pattern: str | None, quiet: bool) -> int:
     start = time.perf_counter()
     cells = selected(matrix_cells() | recipe_cells(), pattern)
-    models, results = run_all(cells, quiet)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    body = {"recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            **environment(), "wall_s": round(time.perf_counter() - start, 1), "models": models,
-            "cells": {name: cell | results[name] for name, cell in cells.items()}}
-    out.write_text(json.dumps(body, indent=1) + "\n")
+    head = {"recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, **environment()}
+
+    def write(models: dict, results: dict) -> None:  # after every cell: a long run killed keeps what it did
+        body = head | {"wall_s": round(time.perf_counter() - start, 1), "models": models,
+                       "cells": {name: cells[name] | result for name, result in results.items()}}
+        out.write_text(json.dumps(body, indent=1) + "\n")
+
+    models, results = run_all(cells, quiet, write)
     files = sum(len(r.get("files", {})) for r in results.values())
-    print(f"recorded {len(cells)} cells, {files} artifact files, {len(models)} models in {body['wall_s']:.0f} s: {out}")
+    print(f"recorded {len(cells)} cells, {files} artifact files, {len(models)} models in "
+          f"{time.perf_counter() - start:.0f} s: {out}")
     return 0
 
 
@@ -341,9 +366,11 @@ def main() -> int:
     ap.add_argument("--only", metavar="PATTERN", help="cells whose name matches (fnmatch), e.g. 'tiny/llama/*'")
     ap.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     args = ap.parse_args()
-    import torch  # noqa: F401  (imported once here, so that each forked cell does not import it again)
-    import transformers  # noqa: F401
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"  # read when torch loads: one thread
+    # imported once here, where no tensor op has run (so no thread pool exists), and inherited by every forked cell
     import quantkit.cli  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
 
     return (record if args.command == "record" else check)(args.json, args.only, args.quiet)
 
