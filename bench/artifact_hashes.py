@@ -3,6 +3,7 @@
     python benchmarks/artifact_hashes.py record benchmarks/artifact_hashes.json    # every cell, the baseline
     python benchmarks/artifact_hashes.py check benchmarks/artifact_hashes.json     # the same runs, compared
     python benchmarks/artifact_hashes.py check F --only 'tiny/llama/*' --quiet      # a subset (fnmatch on names)
+    python benchmarks/artifact_hashes.py record F --only 'recipe/*awq*'            # (re)record a subset into F
 
 `check` exits 1 and prints every differing file or number when anything differs, 0 when all is equal.
 
@@ -296,8 +297,9 @@ def run_all(cells: dict[str, dict], quiet: bool, done: Callable[[dict, dict], No
                 paths[cell["model"]], models[cell["model"]] = model_files(cell["model"], tmp, subs, quiet)
             start = time.perf_counter()
             results[name] = run_cell(name, cell, paths[cell["model"]], tmp, subs)
+            results[name]["wall_s"] = round(time.perf_counter() - start, 1)  # what the cell costs; never compared
             log(quiet, f"[{i}/{len(cells)}] {name}: exit {results[name]['exit']}, "
-                       f"{len(results[name].get('files', {}))} files, {time.perf_counter() - start:.1f} s")
+                       f"{len(results[name].get('files', {}))} files, {results[name]['wall_s']} s")
             done(models, results)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -316,10 +318,15 @@ def record(out: Path, pattern: str | None, quiet: bool) -> int:
     cells = selected(matrix_cells() | recipe_cells(), pattern)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     head = {"recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, **environment()}
+    kept: dict = {"models": {}, "cells": {}}
+    if pattern and out.exists():  # a subset recorded into an earlier baseline: its other cells stay
+        kept = json.loads(out.read_text())
+        if any(differences(key, kept[key], head[key]) for key in ("versions", "cpu", "threads")):
+            raise SystemExit(f"{out} was recorded with other versions or CPU: record every cell anew")
 
     def write(models: dict, results: dict) -> None:  # after every cell: a long run killed keeps what it did
-        body = head | {"wall_s": round(time.perf_counter() - start, 1), "models": models,
-                       "cells": {name: cells[name] | result for name, result in results.items()}}
+        body = head | {"models": kept["models"] | models,
+                       "cells": kept["cells"] | {name: cells[name] | result for name, result in results.items()}}
         out.write_text(json.dumps(body, indent=1) + "\n")
 
     models, results = run_all(cells, quiet, write)
