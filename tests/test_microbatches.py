@@ -131,9 +131,9 @@ def test_micro_batches_write_the_one_forward_bytes(llama, tmp_path, monkeypatch,
     micro = quantized(monkeypatch, tmp_path, "micro", llama, stage, 3 * 64)
     assert micro["bytes"] == one["bytes"]
     assert micro["summary"]["loss_total"] == one["summary"]["loss_total"]
-    # the plan counts one micro-batch's temporaries, not every window's
+    # the plan counts one micro-batch's temporaries, not every window's, except where they all run at once
     acts = [r["summary"]["memory"]["plan"]["host"]["activations"] for r in (one, micro)]
-    assert acts[1] < acts[0]
+    assert acts[1] == acts[0] if stage == "sq-w8a8" else acts[1] < acts[0]
 
 
 def test_moe_blocks_keep_one_gptq_forward_and_the_same_bytes(moe, tmp_path, monkeypatch):
