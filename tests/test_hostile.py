@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import GGUF, run_cli, write_recipe
 from test_bad_input import GPTQ, RTN, model_copy
+from quantkit.errors import QuantkitError
 from quantkit.quantize.checkpoint import FOLDER as RESUME
 
 SHARD = "model-00001-of-00001.safetensors"
@@ -362,3 +363,12 @@ def test_interrupt_keeps_the_output_folder(tiny_llama, tmp_path, monkeypatch):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "o", RTN)
     assert run_cli(monkeypatch, "quantize", recipe) == 130  # click's Abort: "aborted", as before
     assert (tmp_path / "o").is_dir()  # where a rerun resumes
+
+
+def test_finite_check_reads_fp8_tensors():
+    # FP8 W8A8 artifacts keep 1-byte float weights, for which torch has no isfinite kernel
+    from quantkit.untrusted import check_finite
+
+    check_finite("w", torch.tensor([1.0, -448.0, 0.0]).to(torch.float8_e4m3fn))
+    with pytest.raises(QuantkitError, match=r"^model: w holds 1 non-finite values"):
+        check_finite("w", torch.tensor([1.0, float("nan"), 0.0]).to(torch.float8_e4m3fn))
