@@ -141,9 +141,11 @@ def choose(plan_for, recipe, host_free: int, device_free: int | None, disk_free:
 
 
 def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear], recipe, streamed: bool,
-         device: torch.device, offload: Offload = Offload()) -> MemoryPlan:
+         device: torch.device, offload: Offload = Offload(), files: tuple[int | None, bool] | None = None
+         ) -> MemoryPlan:
     """model: the skeleton (meta device is fine: only shapes and dtypes are read); targets: the Linears to quantize;
-    offload: where the hidden states between blocks live and how many windows a forward takes."""
+    offload: where the hidden states between blocks live and how many windows a forward takes; files: the model's
+    weight_files (None: looked up from recipe.model)."""
     cfg = model.config
     method, weight_stage = recipe.stage.method, recipe.stage.weights
     bits = weight_stage.bits
@@ -165,7 +167,7 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
 
     p = MemoryPlan(offload=offload.where, batch_size=offload.batch_size)
     on_device = device.type == "cuda"
-    files, gguf = (0, False) if streamed else _weight_files(recipe.model)
+    files, gguf = (0, False) if streamed else files or weight_files(*resolve_model_path(recipe.model))
     weights = block_bytes + outer_bytes + block_codes if streamed else total_bytes + (files or total_bytes) + codes
     if streamed and recipe.needs_calibration:  # the last block, held by its checkpoint's write while the next loads
         weights += block_bytes + block_codes
@@ -249,9 +251,9 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     return p
 
 
-def _weight_files(spec: str) -> tuple[int | None, bool]:
-    """(bytes of the weight files a whole-model load maps, or None for a hub id; whether it is a GGUF file)."""
-    folder, gguf = resolve_model_path(spec)
+def weight_files(folder: str, gguf: str | None) -> tuple[int | None, bool]:
+    """(bytes of the weight files a whole-model load maps, or None for a hub id; whether it is a GGUF file), for a
+    resolved model reference (model.resolve_model_path)."""
     if gguf:
         return (Path(folder) / gguf).stat().st_size, True
     if not Path(folder).is_dir():
