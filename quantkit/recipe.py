@@ -10,31 +10,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from .data import domain_name, expand
 from .errors import QuantkitError, first_line
+from .methods import METHODS, Method
+from .methods.awq import AWQ  # noqa: F401  (the stage configs, importable from the recipe as before)
+from .methods.config import Activations, WeightQuant  # noqa: F401
+from .methods.config import Strict as _Strict
+from .methods.config import error as _error
+from .methods.gptq import GPTQ  # noqa: F401
+from .methods.rtn import RTN  # noqa: F401
+from .methods.smoothquant import SmoothQuant  # noqa: F401
 
 FORMAT_BITS = {"gptq": (2, 3, 4, 8), "compressed-tensors": (4, 8), "awq": (4,)}
 WEIGHT_ONLY_FORMATS = ("gptq", "awq")  # no activation quantization: W8A8 is compressed-tensors only
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            accepted = list(cls.model_fields)
-            for key in data:
-                if key not in accepted:
-                    raise PydanticCustomError(
-                        "unknown_key", "unknown key {key} (accepted: {accepted})",
-                        {"key": repr(key), "accepted": ", ".join(accepted)},  # repr: one line, quotes shown
-                    )
-        return data
 
 
 class CalibrationPart(_Strict):
@@ -69,94 +60,14 @@ class MoE(_Strict):
     min_tokens: int = Field(16, ge=1)
 
 
-class Activations(_Strict):
-    """W8A8: inputs of the quantized Linears quantized per token at run time (vLLM's dynamic schemes)."""
-
-    bits: Literal[8] = 8
-    type: Literal["int", "float"] = "int"  # float: FP8 e4m3
-    dynamic: Literal[True] = True
-    strategy: Literal["token"] = "token"
-
-    @property
-    def kind(self) -> str:
-        return "int8" if self.type == "int" else "fp8"
-
-
-class WeightQuant(_Strict):
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: Literal[-1, 32, 64, 128, 256] = 128
-    sym: bool = True
-    type: Literal["int", "float"] = "int"  # float: FP8 e4m3, one scale per output channel (RTN only)
-    # how each group's scale (and zero) is chosen: its min and max, or the clip of least |w - q|^2.4 (grid.mse_params)
-    observer: Literal["minmax", "mse"] = "minmax"
-    activations: Activations | None = None  # None: weight-only
-    # Module names (or suffixes / regexes with 're:') left in float. Only Linear layers inside
-    # decoder blocks are quantized at all, so lm_head and embeddings stay float regardless.
-    ignore: list[str] = ["lm_head"]
-
-
-class RTN(WeightQuant):
-    pass
-
-
-class GPTQ(WeightQuant):
-    act_order: bool = False
-    damp: float = Field(0.01, gt=0, le=1)
-    block_size: int = Field(128, ge=1)
-    # dtype of each window's xᵀx before the fp64 sum. bfloat16 rounds the inputs (a no-op for a bf16 model) and each
-    # window's product to bf16: on a CPU with bf16 matmul units the Hessians cost ~3× less, at unchanged perplexity
-    # on the SmolLM2 bench (BENCHMARKS.md, GPTQ vs peers).
-    hessian_dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-class SmoothQuant(_Strict):
-    alpha: float = Field(0.8, gt=0, lt=1)  # migration strength: s = max|X|^alpha / max|W|^(1-alpha)
-    # Mappings whose norm or any of whose Linear layers matches (names, dotted suffixes, 're:') stay unsmoothed.
-    ignore: list[str] = []
-
-
-class AWQ(_Strict):
-    """AWQ (activation-aware scaling, then optional clipping). As the weight stage it rounds to nearest on its
-    own grid; as a transform before gptq it only folds scales and clips, and gptq rounds on the same grid."""
-
-    bits: Literal[4] = 4
-    group_size: Literal[-1, 32, 64, 128] = 128
-    zero_point: bool = True  # true: asymmetric grid (AutoAWQ's default); false: symmetric
-    grid: int = Field(20, ge=1, le=1000)  # scale exponents tried: alpha = i / grid, i < grid
-    duo_scaling: bool = True  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default); false: s = x_mean^a
-    clip: bool = True  # search each group's clipping range after scaling (never q/k projections)
-    # tokens the clip search scores each Linear on (AutoAWQ's n_sample_token: 512); the search works on each group's
-    # Gram matrix, so more tokens cost memory (tokens x in_features floats per Linear of a block), not search time
-    clip_tokens: int = Field(512, ge=1)
-    ignore: list[str] = ["lm_head"]
-
-    # the WeightQuant fields the pipeline and the export checks read
-    @property
-    def sym(self) -> bool:
-        return not self.zero_point
-
-    @property
-    def type(self) -> str:
-        return "int"
-
-    @property
-    def activations(self) -> None:
-        return None
-
-
 # A recipe is zero or more transform stages (they rewrite the float weights, the model function unchanged),
 # then exactly one weight stage. A kind may be both (AWQ: a transform before gptq, or the weight stage alone).
-WEIGHT_STAGES = ("gptq", "rtn", "awq")
-TRANSFORM_STAGES = ("smoothquant", "awq")
-CALIBRATED_STAGES = ("gptq", "smoothquant", "awq")
+# The kinds are the registered methods (quantkit/methods), one optional field each.
+WEIGHT_STAGES = tuple(k for k, m in METHODS.items() if m.weight)
+TRANSFORM_STAGES = tuple(k for k, m in METHODS.items() if m.transform)
 
 
-class Stage(_Strict):
-    gptq: GPTQ | None = None
-    rtn: RTN | None = None
-    smoothquant: SmoothQuant | None = None
-    awq: AWQ | None = None
-
+class _StageBase(_Strict):
     @model_validator(mode="after")
     def _one_kind(self) -> "Stage":
         if sum(getattr(self, k) is not None for k in type(self).model_fields) != 1:
@@ -172,6 +83,19 @@ class Stage(_Strict):
     def args(self) -> Any:
         return getattr(self, self.name)
 
+    @property
+    def method(self) -> Method:
+        return METHODS[self.name]
+
+    @property
+    def weights(self) -> WeightQuant:
+        """As the weight stage: the grid it rounds to and the Linears it quantizes."""
+        return self.method.weights(self.args)
+
+
+Stage = create_model("Stage", __base__=_StageBase,
+                     **{k: (m.config | None, None) for k, m in METHODS.items()})  # type: ignore[call-overload]
+
 
 class Export(_Strict):
     output: str
@@ -185,10 +109,6 @@ class Export(_Strict):
             raise PydanticCustomError("dup", "formats: each format once")
         parse_size(self.max_shard_size)
         return self
-
-
-def _error(message: str, **values: Any) -> PydanticCustomError:
-    return PydanticCustomError("recipe", message, values)
 
 
 class TaskGate(_Strict):
@@ -269,7 +189,7 @@ class Recipe(_Strict):
     def _consistent(self) -> "Recipe":
         self._check_order()
         for stage in self.stages:
-            if stage.name in CALIBRATED_STAGES and self.calibration is None:
+            if stage.method.calibrated and self.calibration is None:
                 raise _error("calibration: required by the {stage} stage", stage=stage.name)
         self._check_weights()
         self._check_release()
@@ -297,47 +217,28 @@ class Recipe(_Strict):
 
     def _check_order(self) -> None:
         last = len(self.stages) - 1
-        if self.stages[last].name not in WEIGHT_STAGES:
-            weight = next((i for i, s in enumerate(self.stages) if s.name in WEIGHT_STAGES), None)
+        if not self.stages[last].method.weight:
+            weight = next((i for i, s in enumerate(self.stages) if s.method.weight), None)
             if weight is None:
                 raise _error("stages: the last stage quantizes the weights ({kinds}); {name} only transforms them",
                              kinds=", ".join(WEIGHT_STAGES), name=self.stages[last].name)
             raise _error("stages.{i}.{name}: transform stages go before the weight stage (stages.{w}.{weight})",
                          i=last, name=self.stages[last].name, w=weight, weight=self.stages[weight].name)
         for i, stage in enumerate(self.stages[:last]):
-            if stage.name not in TRANSFORM_STAGES:
+            if not stage.method.transform:
                 raise _error("stages.{i}.{name}: one weight-quantizing stage per recipe, the last one "
                              "(stages.{last} is {other}); only {transforms} may come before it",
                              i=i, name=stage.name, last=last, other=self.stages[last].name,
                              transforms=", ".join(TRANSFORM_STAGES))
-        weight = self.stages[last]
-        for i, stage in enumerate(self.stages[:last]):
-            if stage.name != "awq":
-                continue
-            if any(s.name == "awq" for s in self.stages[i + 1 : last]):
-                raise _error("stages.{i}.awq: one awq stage per recipe", i=i)
-            if weight.name != "gptq":
-                raise _error("stages.{i}.awq: awq transforms only before gptq; before {name}, drop the {name} "
-                             "stage: awq alone is the weight stage (round-to-nearest on its grid)",
-                             i=i, name=weight.name)
-            # the scales and clipping are searched on awq's grid: gptq must round on that same grid
-            awq, gptq = stage.awq, weight.gptq
-            for key, want, got in (("bits", awq.bits, gptq.bits), ("group_size", awq.group_size, gptq.group_size),
-                                   ("sym", awq.sym, gptq.sym), ("ignore", awq.ignore, gptq.ignore)):
-                if want != got:
-                    source = "zero_point: " + str(awq.zero_point).lower() if key == "sym" else \
-                        f"{key}: {want}"
-                    raise _error("stages.{last}.gptq.{key}: must be {want} to match stages.{i}.awq ({source}); "
-                                 "awq searches its scales on the grid gptq then rounds to",
-                                 last=last, key=key, want=str(want).lower() if isinstance(want, bool) else want,
-                                 i=i, source=source)
+        for i, stage in enumerate(self.stages[:last]):  # rules between a transform and what follows it
+            stage.method.check_order(i, self.stages, last)
 
     def _check_weights(self) -> None:
         stage = self.stage
-        args, path = stage.args, f"stages.{len(self.stages) - 1}.{stage.name}"
+        args, path = stage.weights, f"stages.{len(self.stages) - 1}.{stage.name}"
         act = args.activations
         if args.type == "float":
-            if stage.name == "gptq":
+            if not stage.method.rounds_float:
                 raise _error("{path}.type: float (FP8) weights are rounded to nearest; use rtn with type: float",
                              path=path)
             for key, want, why in (("bits", 8, "FP8 e4m3 is 8 bits"), ("group_size", -1, "one scale per output "
@@ -377,7 +278,7 @@ class Recipe(_Strict):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(s.name in CALIBRATED_STAGES for s in self.stages)
+        return any(s.method.calibrated for s in self.stages)
 
 
 def parse_size(text: str) -> int:

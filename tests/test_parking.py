@@ -18,7 +18,8 @@ from test_streaming import STAGES, sharded_checkpoint
 
 from quantkit.algorithms import gptq
 from quantkit.algorithms.gptq import Hessian
-from quantkit.quantize import microbatches, parking, pipeline
+from quantkit.quantize import gptq as qgptq
+from quantkit.quantize import microbatches, parking
 from quantkit.quantize.parking import Parked
 
 
@@ -72,7 +73,7 @@ def test_at_a_wide_linears_solve_its_inputs_and_the_blocks_quantized_weights_are
     config = json.loads((llama / "config.json").read_text())
     inter, hidden = config["intermediate_size"], config["hidden_size"]
     seen = []
-    solver = pipeline._solver
+    solver = qgptq._solver
 
     def checked(h, *args):
         if h.columns == inter:
@@ -90,7 +91,7 @@ def test_at_a_wide_linears_solve_its_inputs_and_the_blocks_quantized_weights_are
                          len({t.untyped_storage().data_ptr() for t in codes}), len(block_input)))
         return solver(h, *args)
 
-    monkeypatch.setattr(pipeline, "_solver", checked)
+    monkeypatch.setattr(qgptq, "_solver", checked)
     folders = []
     temp = tempfile.TemporaryFile
     monkeypatch.setattr(parking, "tempfile", SimpleNamespace(TemporaryFile=lambda dir: (folders.append(dir),

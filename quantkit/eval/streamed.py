@@ -16,7 +16,7 @@ from torch import nn
 
 from ..model import decoder_blocks, resolve_model_path
 from ..progress import Reporter
-from ..quantize.pipeline import capture_block_inputs, to_device
+from ..quantize.capture import capture_block_inputs, to_device
 from ..quantize.source import Streamed
 from .perplexity import num_windows
 

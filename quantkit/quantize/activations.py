@@ -7,7 +7,7 @@
 
 Each block reads batch k of its input and writes batch k of its output; `advance()` makes the outputs the next
 block's inputs. With several batches a block cannot solve a Linear at its first call, which sees one batch only:
-the pipeline then runs the block over every batch once per group of Linears (pipeline._gptq_passes).
+the pipeline then runs the block over every batch once per group of Linears (gptq.waves).
 """
 
 from __future__ import annotations

@@ -37,14 +37,12 @@ import torch
 from torch import nn
 
 from ..algorithms.gptq import Hessian
-from ..algorithms.grid import STEP
 from ..errors import QuantkitError
 from ..families import moe
 from ..model import resolve_model_path
 from ..recipe import parse_size
 from . import microbatches, parking
 from .activations import OFFLOADS, Offload
-from .transforms import MODULE_LOSS_TOKENS
 
 GiB = 1 << 30
 RUNTIME = 64 << 20  # measured: 20-40 MiB of allocator slack over a 16-block streamed GPTQ run
@@ -143,12 +141,14 @@ def choose(plan_for, recipe, host_free: int, device_free: int | None, disk_free:
 
 
 def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear], recipe, streamed: bool,
-         device: torch.device, offload: Offload = Offload()) -> MemoryPlan:
+         device: torch.device, offload: Offload = Offload(), files: tuple[int | None, bool] | None = None
+         ) -> MemoryPlan:
     """model: the skeleton (meta device is fine: only shapes and dtypes are read); targets: the Linears to quantize;
-    offload: where the hidden states between blocks live and how many windows a forward takes."""
+    offload: where the hidden states between blocks live and how many windows a forward takes; files: the model's
+    weight_files (None: looked up from recipe.model)."""
     cfg = model.config
-    weight_stage = recipe.stage.args
-    bits = getattr(weight_stage, "bits", 8)
+    method, weight_stage = recipe.stage.method, recipe.stage.weights
+    bits = weight_stage.bits
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     block_bytes = max(_nbytes(b.parameters()) for b in blocks)
     outer = [m for m in model.modules() if any(id(p) not in in_blocks for p in m.parameters(recurse=False))]
@@ -167,7 +167,7 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
 
     p = MemoryPlan(offload=offload.where, batch_size=offload.batch_size)
     on_device = device.type == "cuda"
-    files, gguf = (0, False) if streamed else _weight_files(recipe.model)
+    files, gguf = (0, False) if streamed else files or weight_files(*resolve_model_path(recipe.model))
     weights = block_bytes + outer_bytes + block_codes if streamed else total_bytes + (files or total_bytes) + codes
     if streamed and recipe.needs_calibration:  # the last block, held by its checkpoint's write while the next loads
         weights += block_bytes + block_codes
@@ -196,9 +196,9 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         # and the smoothed one; in step, each also holds the widest Linear's input (and its W8A8 copy) at a barrier,
         # unless that is parked on disk
         micro = microbatches.size(batch, c.seq_len)
-        w8a8 = int(getattr(weight_stage, "activations", None) is not None)
-        smoothed = int(bool(recipe.transforms) and recipe.transforms[-1].name == "smoothquant")
-        one_forward = recipe.stage.name == "gptq" and offload.batch_size is None
+        w8a8 = int(weight_stage.activations is not None)
+        smoothed = int(bool(recipe.transforms) and recipe.transforms[-1].method.folds_inline and method.solves)
+        one_forward = method.solves and offload.batch_size is None
         if one_forward and (smoothed or moe.experts_of(model)):
             micro = batch
         attn = attn * micro // batch
@@ -217,30 +217,22 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
             p.disk["hidden_states"], hidden = hidden, 2 * batch * per_window
         p.disk["checkpoint"] = c.num_samples * per_window
         p.advice["checkpoint"] = "lower calibration.num_samples or calibration.seq_len"
-        awq_stage = next((s.args for s in recipe.stages if s.name == "awq"), None)
-        if awq_stage is not None:  # the module inputs AWQ's scale search replays (a strided subset of the windows,
-            # MODULE_LOSS_TOKENS), and the output it is scored against; each Linear's clip sample of the block
-            acts += 2 * min(c.num_samples, max(batch, -(-MODULE_LOSS_TOKENS // c.seq_len))) * per_window
-            acts += min(awq_stage.clip_tokens, c.num_samples * c.seq_len) * max(inputs_by_block.values(), default=0) \
-                * elt
-        # AWQ's Gram matrix of up -> down (freed before the weight stage's Hessians exist), GPTQ's Hessian of the
-        # widest input: the fp64 upper triangle, then the fp32 matrix made and factored in its storage (gptq.py)
-        if any(s.name == "awq" for s in recipe.stages) or recipe.stage.name == "gptq":
+        for s in recipe.stages:  # what each stage keeps beyond the forward's temporaries
+            acts += s.method.activation_bytes(s.args, c.num_samples, c.seq_len, batch, per_window,
+                                              max(inputs_by_block.values(), default=0), elt)
+        # a stage's matrix of the widest input (AWQ's Gram matrix of up -> down, freed before the weight stage's
+        # Hessians exist; GPTQ's Hessian): the fp64 upper triangle, then the fp32 matrix made and factored in its
+        # storage (gptq.py)
+        if any(s.method.gram for s in recipe.stages):
             solver = Hessian.nbytes(widest_in)
     widest = max((m.weight.numel() for m in targets.values()), default=0)
-    if recipe.stage.name == "gptq":
-        # GPTQ on the widest weight: its float32 copy and error, uint8 codes, the int32 words they are packed from
-        solver += widest * (4 + 4 + 1 + 4)
-    else:
-        # round-to-nearest, loss and packing go a few rows at a time (grid.row_steps): the codes, the dequantized
-        # copy in the weight's dtype, the packed words, and one step's float32 / int64 temporaries
-        solver += widest * (1 + _elt(model) + 1) + min(STEP, widest) * (4 + 4 + 8 + 8)
+    solver += method.solver_bytes(widest, _elt(model))
     p.advice["activations"] = ("set calibration.batch_size lower, or calibration.offload: auto to pick one"
                                if offload.batch_size else "set calibration.batch_size (windows per forward) or "
                                "calibration.offload: auto")
     p.advice["hidden_states"] = ("lower calibration.num_samples or calibration.seq_len" if offload.where == "disk" else
                                  "set calibration.offload: disk, or lower calibration.num_samples or seq_len")
-    p.advice["solver"] = ("the widest Linear's Hessian: use a device with more memory" if recipe.stage.name == "gptq"
+    p.advice["solver"] = ("the widest Linear's Hessian: use a device with more memory" if method.solves
                           else "the widest Linear: use a machine with more memory")
     where = p.device if on_device else p.host
     where["activations"] = acts
@@ -259,9 +251,9 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     return p
 
 
-def _weight_files(spec: str) -> tuple[int | None, bool]:
-    """(bytes of the weight files a whole-model load maps, or None for a hub id; whether it is a GGUF file)."""
-    folder, gguf = resolve_model_path(spec)
+def weight_files(folder: str, gguf: str | None) -> tuple[int | None, bool]:
+    """(bytes of the weight files a whole-model load maps, or None for a hub id; whether it is a GGUF file), for a
+    resolved model reference (model.resolve_model_path)."""
     if gguf:
         return (Path(folder) / gguf).stat().st_size, True
     if not Path(folder).is_dir():

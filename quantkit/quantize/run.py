@@ -8,13 +8,14 @@ import os
 import shutil
 import time
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import QuantkitError
 from ..export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, ArtifactWriter, write_artifact
+from ..export.base import QuantInfo
 from ..families import moe
 from ..model import (decoder_blocks, load_config, load_model, load_tokenizer, meta_model, model_fingerprint,
                      pick_device, resolve_model_path, torch_dtype)
@@ -25,6 +26,7 @@ from ..untrusted import check_finite, check_positions
 from ..versions import package_versions
 from . import calibration, distributed, memory, pipeline
 from .activations import FOLDER as ACTIVATIONS
+from .activations import Offload
 from .checkpoint import FOLDER as RESUME
 from .checkpoint import BlockCheckpoints, run_key
 from .memory import fmt_bytes
@@ -39,11 +41,23 @@ def recipe_fingerprint(recipe: Recipe) -> dict:
     return recipe.model_dump(mode="json", exclude=skip | {"calibration": {"offload": True, "batch_size": True}})
 
 
-def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_ranks: int = 1):
-    """(Streamed source or None for in-memory, the memory plan, where the activations go), decided and checked before
-    any weight is read. load: auto streams a local safetensors folder (the same bytes as loading it whole, at a
-    fraction of the memory) unless the calibration samples the whole model (`self`). local_ranks: processes on this
-    node, each with the plan's host memory to itself."""
+@dataclass
+class RunPlan:
+    """What a run decides once, before any weight is read, and passes down."""
+
+    folder: str  # the model reference resolved: its folder or hub id
+    gguf: str | None  # and its GGUF file
+    streamed: Streamed | None  # the streamed source, None: the whole model is loaded
+    info: QuantInfo  # what the weight stage writes, checked against the grid and the formats
+    memory: memory.MemoryPlan
+    offload: Offload  # where the hidden states live, how many windows a forward takes
+
+
+def plan_run(recipe: Recipe, device: torch.device, report: Reporter, local_ranks: int = 1) -> RunPlan:
+    """The source of the weights, what gets quantized, the memory plan and where the activations go, decided and
+    checked before any weight is read. load: auto streams a local safetensors folder (the same bytes as loading it
+    whole, at a fraction of the memory) unless the calibration samples the whole model (`self`). local_ranks:
+    processes on this node, each with the plan's host memory to itself."""
     folder, gguf = resolve_model_path(recipe.model)
     local = not gguf and Path(folder).is_dir()
     if recipe.load == "stream" and not local:
@@ -58,7 +72,8 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
     moe.unfuse(skeleton)  # what the pipeline will quantize (Streamed has unfused its own)
     _, blocks = decoder_blocks(skeleton)
-    targets = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)[1]
+    _, targets, info = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)
+    files = (0, False) if streamed else memory.weight_files(folder, gguf)
     host_free = host_available() // local_ranks
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     disk_free = memory.disk_available(recipe.export.output) // local_ranks
@@ -67,7 +82,7 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
             + (f", device {fmt_bytes(device_free)}" if device_free is not None else "") + f", disk {fmt_bytes(disk_free)}")
     try:
         offload, chosen = memory.choose(
-            lambda off: memory.plan(skeleton, blocks, targets, recipe, streamed is not None, device, off), recipe,
+            lambda off: memory.plan(skeleton, blocks, targets, recipe, streamed is not None, device, off, files), recipe,
             host_free, device_free, disk_free)
     except QuantkitError as err:
         report.info(free)
@@ -75,7 +90,7 @@ def choose_source(recipe: Recipe, device: torch.device, report: Reporter, local_
     report.info(f"{chosen.describe()}; {free}")
     if recipe.needs_calibration:  # past its positions OPT's embedding fails, Llama's RoPE runs on untrained
         check_positions(skeleton.config, recipe.calibration.seq_len, "calibration.seq_len", recipe.model)
-    return streamed, chosen, replace(offload, folder=Path(recipe.export.output) / ACTIVATIONS)
+    return RunPlan(folder, gguf, streamed, info, chosen, replace(offload, folder=Path(recipe.export.output) / ACTIVATIONS))
 
 
 def _alive(pid: str) -> bool:
@@ -163,8 +178,8 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     if device.type == "cuda" and ranks.active:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     torch.manual_seed(0)
-    streamed, mem_plan, offload = choose_source(recipe, device, report,
-                                                int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
+    planned = plan_run(recipe, device, report, int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world)))
+    streamed, mem_plan, offload = planned.streamed, planned.memory, planned.offload
     tokenizer = streamed.tokenizer if streamed else load_tokenizer(recipe.model)
     if streamed and recipe.calibration and any(p.dataset == "self" for p in calibration.parts_of(recipe.calibration)):
         raise QuantkitError("calibration.dataset: self samples from the whole model, but it does not fit in memory "
@@ -209,8 +224,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
     shard_bytes = parse_size(recipe.export.max_shard_size)
     with ExitStack() as writers:
         if streamed is not None and ranks.rank == 0:  # every format is filled as blocks finish
-            info = pipeline.plan(model, recipe.stage, recipe.export.formats, recipe.transforms)[2]
-            streamed.writers = {fmt: writers.enter_context(ArtifactWriter(dest, fmt, info, dtype, shard_bytes,
+            streamed.writers = {fmt: writers.enter_context(ArtifactWriter(dest, fmt, planned.info, dtype, shard_bytes,
                                                                           overwrite or unfinished, names))
                                 for fmt, dest in dests.items()}
         with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline

@@ -33,8 +33,10 @@ from ..algorithms.smoothquant import channel_absmax, smoothing_scale
 from ..errors import QuantkitError
 from ..families import moe
 from ..families.mappings import find_mappings, norm_mappings
+from ..methods.awq import AWQ, MODULE_LOSS_TOKENS  # AWQ memory bounds: see there
+from ..methods.smoothquant import SmoothQuant
 from ..model import block_linears, matches
-from ..recipe import AWQ, SmoothQuant, Stage
+from ..recipe import Stage
 from .distributed import Ranks
 
 
@@ -59,8 +61,19 @@ def plan_mappings(path: str, prefix: str, blocks: nn.ModuleList,
     return mappings, names, sorted(notes)
 
 
+PASSES: dict[type, type] = {}  # a transform stage's config class -> its block pass (registered by @transform_pass)
+
+
+def transform_pass(cls: type) -> type:
+    PASSES[cls.config] = cls
+    return cls
+
+
+@transform_pass
 class SmoothQuantPass:
     name = "smoothquant"
+    config = SmoothQuant
+    counters = ("smoothed",)  # what summary() reports: its resume state, carried across a resume
 
     def __init__(self, args: SmoothQuant, path: str, prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
                  windows: int = 0):
@@ -151,16 +164,6 @@ class SmoothQuantPass:
         return handles, warnings
 
 
-# AWQ memory bounds. Clipping scores each Linear on a strided subsample of its input (`clip_tokens` of them;
-# AutoAWQ's `_compute_best_clip` samples 512), so only that is kept per Linear. The scale search of a
-# mapping scored on a module (q/k/v on self_attn, gate/up on the MLP) re-runs that module on its captured
-# input once per grid point; batches above MODULE_LOSS_TOKENS tokens keep an evenly strided subset of their
-# sequences for it (64 x 512 -> 8 x 512), bounding both the memory held and the search's compute. The
-# channel means that shape each candidate still come from every token. Measured on SmolLM2-135M's first 3
-# blocks, 32 x 512 calibration: 16384 / 4096 / 2048 scoring tokens give block output errors within noise of
-# each other (see the AWQ speed notes in the change report), the search ~4x / 8x cheaper; 20 grid points x
-# the MLP re-run on 16384 tokens was most of AWQ's time per block.
-MODULE_LOSS_TOKENS = 4096
 
 
 def _rows(obj: Any, rows: torch.Tensor, batch: int) -> Any:
@@ -186,6 +189,7 @@ def _replay(module: nn.Module, calls: list[tuple]) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+@transform_pass
 class AwqPass:
     """AWQ for one recipe stage (a transform before gptq, or the weight stage before its own RTN).
 
@@ -196,6 +200,8 @@ class AwqPass:
     (as AutoAWQ does), folds them all, then clips each Linear's folded weight against its input / s."""
 
     name = "awq"
+    config = AWQ
+    counters = ("ratios", "clipped")  # what summary() reports: its resume state
 
     def __init__(self, args: AWQ, path: str, prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
                  windows: int = 0):
@@ -390,11 +396,8 @@ class AwqPass:
         return warnings
 
 
-PASSES = {"smoothquant": SmoothQuantPass, "awq": AwqPass}
-
-
 def build(stages: list[Stage], prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
           windows: int = 0) -> list[SmoothQuantPass | AwqPass]:
     """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have."""
-    return [PASSES[s.name](s.args, f"stages.{i}.{s.name}", prefix, blocks, ranks, windows)
+    return [PASSES[type(s.args)](s.args, f"stages.{i}.{s.name}", prefix, blocks, ranks, windows)
             for i, s in enumerate(stages)]

@@ -1,0 +1,80 @@
+"""What a run quantizes: the Linear layers of the decoder blocks the weight stage targets, checked against the
+grid and the formats before any work, and the result the layer-wise run fills in."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..algorithms.fp8 import Fp8Weight
+from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..errors import QuantkitError
+from ..export.base import QuantInfo
+from ..families import ROUTERS
+from ..model import block_linears, check_supported, decoder_blocks, matches
+from ..recipe import Stage
+
+
+@dataclass
+class QuantResult:
+    qweights: dict[str, QuantizedWeight | Fp8Weight]
+    info: QuantInfo
+    losses: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens each GPTQ Hessian summed
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def plan(
+    model: nn.Module, stage: Stage, formats: list[str], transforms: Sequence[Stage] = ()
+) -> tuple[str, dict[str, nn.Linear], QuantInfo]:
+    """Which Linear layers get quantized, checked against the grid and the formats before any work.
+    transforms: the stages before the weight stage (its position in error messages, the method's name)."""
+    args, path = stage.weights, f"stages.{len(transforms)}.{stage.name}"
+    spec = GridSpec(args.bits, args.group_size, args.sym)
+    prefix, blocks = decoder_blocks(model)
+    check_supported(model, blocks)
+    in_blocks = {  # MoE routers stay float
+        f"{prefix}.{i}.{name}": m for i, block in enumerate(blocks) for name, m in block_linears(block).items()
+        if name.rpartition(".")[2] not in ROUTERS
+    }
+    targets = {n: m for n, m in in_blocks.items() if not matches(n, args.ignore)}
+    if not targets:
+        raise QuantkitError(f"{path}.ignore: every Linear layer is ignored; nothing to quantize")
+    for name, m in targets.items():
+        if args.group_size != -1 and m.in_features % args.group_size:
+            divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
+            raise QuantkitError(
+                f"{path}.group_size: {args.group_size} does not divide in_features "
+                f"{m.in_features} of {name}; use {' or '.join(map(str, divisors + [-1]))}"
+            )
+        if args.activations is not None:
+            continue  # W8A8 weights are stored one int8 / FP8 value per element: nothing to pack
+        for fmt in formats:
+            # GPTQ packs along in (qweight) and out (qzeros); compressed-tensors along in only; AWQ along out only.
+            dims = {
+                "gptq": {"in_features": m.in_features, "out_features": m.out_features},
+                "awq": {"out_features": m.out_features},
+            }.get(fmt, {"in_features": m.in_features})
+            for dim, size in dims.items():
+                if (size * args.bits) % 32:
+                    raise QuantkitError(
+                        f"export.formats: {fmt} cannot pack {args.bits}-bit {name} ({dim}={size} is not a "
+                        f"multiple of {32 // math.gcd(32, args.bits)})"
+                    )
+    # float Linears, and MoE routers (some are not nn.Linear) so that no loader quantizes them
+    unquantized = sorted(n for n, m in model.named_modules() if n not in targets and (
+        isinstance(m, nn.Linear) or (n.rpartition(".")[2] in ROUTERS and getattr(m, "weight", None) is not None
+                                     and m.weight.dim() == 2)))
+    info = QuantInfo(
+        method="+".join(s.name for s in [*transforms, stage]),
+        spec=spec,
+        act_order=getattr(args, "act_order", False),
+        damp=getattr(args, "damp", None),
+        unquantized_linears=unquantized,
+        block_linears_prefix=prefix,
+        activations=None if args.activations is None else args.activations.kind,
+    )
+    return prefix, targets, info
