@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from .data import domain_name, expand
 from .errors import QuantkitError, first_line
-
-FORMAT_BITS = {"gptq": (2, 3, 4, 8), "compressed-tensors": (4, 8), "awq": (4,)}
-WEIGHT_ONLY_FORMATS = ("gptq", "awq")  # no activation quantization: W8A8 is compressed-tensors only
+from .export import formats
+from .export.base import GridSpec, scheme_of
 
 
 class _Strict(BaseModel):
@@ -173,9 +172,22 @@ class Stage(_Strict):
         return getattr(self, self.name)
 
 
+def _format_name(name: Any) -> Any:
+    """A registered format's name (export/formats.py), refused as a Literal of those names would be."""
+    known = formats.names()
+    if not isinstance(name, str) or name not in known:
+        quoted = [repr(n) for n in known]
+        expected = " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return name
+
+
+FormatName = Annotated[str, BeforeValidator(_format_name)]
+
+
 class Export(_Strict):
     output: str
-    formats: list[Literal["gptq", "compressed-tensors", "awq"]] = Field(["compressed-tensors"], min_length=1)
+    formats: list[FormatName] = Field(["compressed-tensors"], min_length=1)
     max_shard_size: str = "2GB"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # of the tensors left unquantized
 
@@ -243,7 +255,7 @@ class ReleaseBench(_Strict):
 class Release(_Strict):
     """How `quantkit release` evaluates and benches the artifact (the first export format unless `format`)."""
 
-    format: Literal["gptq", "compressed-tensors", "awq"] | None = None
+    format: FormatName | None = None
     eval: ReleaseEval = ReleaseEval()
     bench: ReleaseBench = ReleaseBench()
     # an elliptic-curve private key (PEM): the last step signs every artifact folder with it (ARTIFACT/model.sig).
@@ -357,14 +369,15 @@ class Recipe(_Strict):
             if act.type != args.type:
                 raise _error("{path}.activations.type: {act} activations need {act} weights (type: {act}), got "
                              "type: {w}", path=path, act=act.type, w=args.type)
-            for fmt in WEIGHT_ONLY_FORMATS:
-                if fmt in self.export.formats:
+            for fmt in formats.names():
+                if fmt in self.export.formats and formats.get(fmt).weight_only:
                     raise _error("export.formats: {fmt} stores weight-only quantization; W8A8 (activations) is "
                                  "written as compressed-tensors only", fmt=fmt)
+        scheme = scheme_of(GridSpec(args.bits, args.group_size, args.sym), act and act.kind)
         for fmt in self.export.formats:
-            if args.bits not in FORMAT_BITS[fmt]:
-                raise _error("{path}.bits: {bits} bits cannot be stored in {fmt} (it stores {ok})",
-                             path=path, bits=args.bits, fmt=fmt, ok=", ".join(map(str, FORMAT_BITS[fmt])))
+            problem = formats.get(fmt).check_scheme(scheme)
+            if problem:
+                raise _error("{path}.bits: {problem}", path=path, problem=problem)
 
     @property
     def stage(self) -> Stage:

@@ -22,7 +22,6 @@ dequantized weights; `kernels.w8a8.swap_w8a8_linears(model, result.qweights)` ma
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from collections import OrderedDict
@@ -34,12 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..algorithms.fp8 import Fp8Weight, fp8_quantize
+from ..algorithms.fp8 import fp8_quantize
 from ..algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
-from ..algorithms.grid import GridSpec, QuantizedWeight, row_steps
+from ..algorithms.grid import GridSpec, row_steps
 from ..algorithms.rtn import rtn_quantize
+from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
-from ..export.base import QuantInfo
+from ..export import formats as format_registry
+from ..export.base import QuantInfo, scheme_of
 from ..families import ROUTERS, moe
 from ..kernels.w8a8 import fake_quantize_tokens
 from ..model import block_linears, check_supported, decoder_blocks, matches
@@ -56,7 +57,7 @@ from .source import InMemory, Streamed
 
 @dataclass
 class QuantResult:
-    qweights: dict[str, QuantizedWeight | Fp8Weight]
+    qweights: dict[str, QuantizedTensor]
     info: QuantInfo
     losses: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens each GPTQ Hessian summed
@@ -70,6 +71,7 @@ def plan(
     transforms: the stages before the weight stage (its position in error messages, the method's name)."""
     args, path = stage.args, f"stages.{len(transforms)}.{stage.name}"
     spec = GridSpec(args.bits, args.group_size, args.sym)
+    scheme = scheme_of(spec, None if args.activations is None else args.activations.kind)
     prefix, blocks = decoder_blocks(model)
     check_supported(model, blocks)
     in_blocks = {  # MoE routers stay float
@@ -86,20 +88,10 @@ def plan(
                 f"{path}.group_size: {args.group_size} does not divide in_features "
                 f"{m.in_features} of {name}; use {' or '.join(map(str, divisors + [-1]))}"
             )
-        if args.activations is not None:
-            continue  # W8A8 weights are stored one int8 / FP8 value per element: nothing to pack
         for fmt in formats:
-            # GPTQ packs along in (qweight) and out (qzeros); compressed-tensors along in only; AWQ along out only.
-            dims = {
-                "gptq": {"in_features": m.in_features, "out_features": m.out_features},
-                "awq": {"out_features": m.out_features},
-            }.get(fmt, {"in_features": m.in_features})
-            for dim, size in dims.items():
-                if (size * args.bits) % 32:
-                    raise QuantkitError(
-                        f"export.formats: {fmt} cannot pack {args.bits}-bit {name} ({dim}={size} is not a "
-                        f"multiple of {32 // math.gcd(32, args.bits)})"
-                    )
+            problem = format_registry.get(fmt).check_linear(scheme, name, m.out_features, m.in_features)
+            if problem:
+                raise QuantkitError(problem)
     # float Linears, and MoE routers (some are not nn.Linear) so that no loader quantizes them
     unquantized = sorted(n for n, m in model.named_modules() if n not in targets and (
         isinstance(m, nn.Linear) or (n.rpartition(".")[2] in ROUTERS and getattr(m, "weight", None) is not None
@@ -173,7 +165,7 @@ def _check_finite(hidden: torch.Tensor, where: str) -> None:
         )
 
 
-def _rtn(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedWeight | Fp8Weight, float]:
+def _rtn(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedTensor, float]:
     """Round-to-nearest (FP8 for type: float) swapped into the Linear; the loss is the weight's mean squared error."""
     if args.type == "float":
         qw = fp8_quantize(module.weight.data)
