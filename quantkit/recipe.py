@@ -377,7 +377,7 @@ class Recipe(_Strict):
         for fmt in self.export.formats:
             problem = formats.get(fmt).check_scheme(scheme)
             if problem:
-                raise _error("{path}.bits: {problem}", path=path, problem=problem)
+                raise _error("{path}.{field}: {problem}", path=path, field=problem[0], problem=problem[1])
 
     @property
     def stage(self) -> Stage:

@@ -198,6 +198,7 @@ PARTS = {
 class CompressedTensors(Format):
     name = "compressed-tensors"
     bits = (4, 8)
+    kinds = ("int", "float")
     weight_only = False
     loaders = [
         ("vLLM / SGLang", "vllm serve {path}"),

@@ -25,15 +25,19 @@ from .layout import Layout
 
 class Format(ABC):
     name: ClassVar[str]  # export.formats and quantization_config.quant_method
-    bits: ClassVar[tuple[int, ...]]  # integer weight widths it stores
+    bits: ClassVar[tuple[int, ...]]  # weight widths it stores
+    kinds: ClassVar[tuple[str, ...]] = ("int",)  # Scheme.kind values it stores
     weight_only: ClassVar[bool] = True  # False: also W8A8 (quantized activations)
     loaders: ClassVar[list[tuple[str, str]]] = []  # (who, how with '{path}') for the model card
 
-    def check_scheme(self, scheme: Scheme) -> str | None:
-        """Why this format cannot store the scheme's weights (a message for the recipe's `bits` field), or None.
-        Activations are `weight_only`'s question, asked first for every format."""
+    def check_scheme(self, scheme: Scheme) -> tuple[str, str] | None:
+        """(the weight stage's field, why) this format cannot store the scheme's weights, or None. Activations are
+        `weight_only`'s question, which the recipe asks first of every format."""
+        if scheme.kind not in self.kinds:
+            return "type", f"{scheme.kind} weights cannot be stored in {self.name} (it stores {', '.join(self.kinds)})"
         if scheme.bits not in self.bits:
-            return f"{scheme.bits} bits cannot be stored in {self.name} (it stores {', '.join(map(str, self.bits))})"
+            stored = ", ".join(map(str, self.bits))
+            return "bits", f"{scheme.bits} bits cannot be stored in {self.name} (it stores {stored})"
         return None
 
     def packed_dims(self, out: int, cols: int) -> dict[str, int]:
