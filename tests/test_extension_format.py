@@ -1,5 +1,6 @@
-"""The format seam from outside: a format registered here, in the test file, without editing quantkit, is
-written by `quantkit quantize`, checked by `quantkit verify`, read back by the runtime bit for bit and evaluated.
+"""The scheme and format seams from outside: a format registered here, in the test file, without editing quantkit,
+is written by `quantkit quantize`, checked by `quantkit verify`, read back by the runtime bit for bit and evaluated;
+a result kind defined here survives the resume checkpoint.
 
 The toy layout, `toy-rows`: each quantized Linear stored unpacked, one byte per code, row-major as the pipeline's
 QuantizedWeight holds it (`<m>.codes` uint8 [out, in], `<m>.scales` fp16 [out, groups], `<m>.zeros` uint8
@@ -16,6 +17,8 @@ from conftest import run_cli, write_recipe
 
 from quantkit import runtime
 from quantkit.algorithms.grid import GridSpec, QuantizedWeight
+from quantkit.algorithms.rtn import rtn_quantize
+from quantkit.algorithms.scheme import QuantizedTensor, Scheme
 from quantkit.export import formats
 from quantkit.export.base import Encoded
 from quantkit.export.layout import F16, Layout, Part
@@ -136,3 +139,52 @@ def test_recipe_checks_ask_the_registered_format(tiny_llama, toy_format, tmp_pat
     assert run_cli(monkeypatch, "quantize", recipe, "--quiet") != 0
     assert "export.formats.0: Input should be 'gptq', 'compressed-tensors' or 'awq'" in capsys.readouterr().err
     formats.register(ToyRows())  # the fixture's teardown removes it again
+
+
+class SignedRows(QuantizedTensor):
+    """A new result kind, defined here: signed int8 codes times one float32 scale per row."""
+
+    kind = "toy-signed-rows"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
+        self.codes, self.scale = codes, scale
+
+    @property
+    def scheme(self) -> Scheme:
+        return Scheme("int", 8, -1, True, torch.float32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.codes.float() * self.scale).to(dtype)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scale": self.scale}
+
+    def meta(self) -> dict:
+        return {"kind": self.kind}
+
+    @classmethod
+    def restore(cls, tensors, meta) -> SignedRows:
+        return cls(tensors["codes"], tensors["scale"])
+
+
+def test_a_new_result_kind_survives_the_resume_checkpoint(tmp_path):
+    """quantize/checkpoint.py stores any QuantizedTensor through to_tensors / meta and rebuilds it by kind."""
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.quantize.checkpoint import _pack_weights, _unpack_weights
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    scale = w.abs().amax(1, keepdim=True) / 127
+    toy = SignedRows(torch.round(w / scale).to(torch.int8), scale)
+    int4 = rtn_quantize(w, GridSpec(4, 32, False))
+    tensors, specs = _pack_weights({"a.q_proj": toy, "a.k_proj": int4})
+    save_file(tensors, str(tmp_path / "block.safetensors"))
+    back = _unpack_weights(load_file(str(tmp_path / "block.safetensors")), json.loads(json.dumps(specs)))
+    assert isinstance(back["a.q_proj"], SignedRows) and isinstance(back["a.k_proj"], QuantizedWeight)
+    for name, q in (("a.q_proj", toy), ("a.k_proj", int4)):
+        assert torch.equal(back[name].dequantize(), q.dequantize())
+    assert torch.allclose(toy.dequantize(), w, atol=float(scale.max()))
