@@ -9,25 +9,10 @@ from pathlib import Path
 import yaml
 
 from . import gates as gate_checks
+from .export import formats
 from .export.artifact import MANIFEST_NAME, sha256_file
 from .files import write_json_atomic, write_text_atomic
 from .recipe import Recipe
-
-LOADERS = {
-    "gptq": [
-        ("vLLM / SGLang", "vllm serve {path}  # gptq / gptq_marlin kernels"),
-        ("transformers (with gptqmodel)", "AutoModelForCausalLM.from_pretrained('{path}', device_map='auto')"),
-    ],
-    "awq": [
-        ("vLLM / SGLang", "vllm serve {path}  # awq / awq_marlin kernels"),
-        ("transformers (AWQ)", "AutoModelForCausalLM.from_pretrained('{path}', device_map='auto')"),
-    ],
-    "compressed-tensors": [
-        ("vLLM / SGLang", "vllm serve {path}"),
-        ("transformers (with compressed-tensors)", "AutoModelForCausalLM.from_pretrained('{path}')"),
-    ],
-}
-
 
 def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
@@ -134,7 +119,7 @@ def card(recipe: Recipe, folder: Path, report: dict, results: list[gate_checks.G
         lines += [f"Quality and speed were measured on the `{Path(report['artifact']).name}` artifact of the same "
                   "weights (same quantized values, another file layout); see its README.md.", ""]
     lines += ["## Load it", ""]
-    for engine, snippet in LOADERS[fmt]:
+    for engine, snippet in formats.get(fmt).loaders:
         lines.append(f"- {engine}: `{snippet.format(path=folder)}`")
     lines += [f"- quantkit: `quantkit eval {folder} --base {recipe.model}`", "", "## Files", "",
               "| file | sha256 |", "|---|---|"]

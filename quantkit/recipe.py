@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from .data import domain_name, expand
 from .errors import QuantkitError, first_line
+from .export import formats
+from .export.base import GridSpec, scheme_of
 from .methods import METHODS, Method
 from .methods.awq import AWQ  # noqa: F401  (the stage configs, importable from the recipe as before)
 from .methods.config import Activations, WeightQuant  # noqa: F401
@@ -23,9 +25,6 @@ from .methods.config import error as _error
 from .methods.gptq import GPTQ  # noqa: F401
 from .methods.rtn import RTN  # noqa: F401
 from .methods.smoothquant import SmoothQuant  # noqa: F401
-
-FORMAT_BITS = {"gptq": (2, 3, 4, 8), "compressed-tensors": (4, 8), "awq": (4,)}
-WEIGHT_ONLY_FORMATS = ("gptq", "awq")  # no activation quantization: W8A8 is compressed-tensors only
 
 
 class CalibrationPart(_Strict):
@@ -97,9 +96,22 @@ Stage = create_model("Stage", __base__=_StageBase,
                      **{k: (m.config | None, None) for k, m in METHODS.items()})  # type: ignore[call-overload]
 
 
+def _format_name(name: Any) -> Any:
+    """A registered format's name (export/formats.py), refused as a Literal of those names would be."""
+    known = formats.names()
+    if not isinstance(name, str) or name not in known:
+        quoted = [repr(n) for n in known]
+        expected = " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return name
+
+
+FormatName = Annotated[str, BeforeValidator(_format_name)]
+
+
 class Export(_Strict):
     output: str
-    formats: list[Literal["gptq", "compressed-tensors", "awq"]] = Field(["compressed-tensors"], min_length=1)
+    formats: list[FormatName] = Field(["compressed-tensors"], min_length=1)
     max_shard_size: str = "2GB"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # of the tensors left unquantized
 
@@ -163,7 +175,7 @@ class ReleaseBench(_Strict):
 class Release(_Strict):
     """How `quantkit release` evaluates and benches the artifact (the first export format unless `format`)."""
 
-    format: Literal["gptq", "compressed-tensors", "awq"] | None = None
+    format: FormatName | None = None
     eval: ReleaseEval = ReleaseEval()
     bench: ReleaseBench = ReleaseBench()
     # an elliptic-curve private key (PEM): the last step signs every artifact folder with it (ARTIFACT/model.sig).
@@ -258,14 +270,15 @@ class Recipe(_Strict):
             if act.type != args.type:
                 raise _error("{path}.activations.type: {act} activations need {act} weights (type: {act}), got "
                              "type: {w}", path=path, act=act.type, w=args.type)
-            for fmt in WEIGHT_ONLY_FORMATS:
-                if fmt in self.export.formats:
+            for fmt in formats.names():
+                if fmt in self.export.formats and formats.get(fmt).weight_only:
                     raise _error("export.formats: {fmt} stores weight-only quantization; W8A8 (activations) is "
                                  "written as compressed-tensors only", fmt=fmt)
+        scheme = scheme_of(GridSpec(args.bits, args.group_size, args.sym), act and act.kind)
         for fmt in self.export.formats:
-            if args.bits not in FORMAT_BITS[fmt]:
-                raise _error("{path}.bits: {bits} bits cannot be stored in {fmt} (it stores {ok})",
-                             path=path, bits=args.bits, fmt=fmt, ok=", ".join(map(str, FORMAT_BITS[fmt])))
+            problem = formats.get(fmt).check_scheme(scheme)
+            if problem:
+                raise _error("{path}.{field}: {problem}", path=path, field=problem[0], problem=problem[1])
 
     @property
     def stage(self) -> Stage:

@@ -17,21 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import QuantkitError
-from .export import awq, compressed_tensors, gptq
-from .export.base import Fp8Weight, QuantizedWeight, split_by_module
+from .algorithms.scheme import QuantizedTensor
+from .export import formats
+from .export.base import split_by_module
 from .families import moe
 from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
 from .untrusted import check_config, check_model
-
-DECODERS = {  # format -> (marker tensor suffix for a quantization_config, decoder)
-    "gptq": (lambda qcfg: gptq.MARKER, gptq.decode_module),
-    "awq": (lambda qcfg: awq.MARKER, awq.decode_module),  # same marker as gptq: quant_method tells them apart
-    "compressed-tensors": (compressed_tensors.marker, compressed_tensors.decode_module),
-}
-W8A8_FORMATS = set(compressed_tensors.W8A8_FORMATS.values())  # compressed-tensors formats run as W8A8 layers
-
 
 def artifact_format(path: str | Path) -> str | None:
     """'gptq' / 'awq' / 'compressed-tensors' for a quantized folder (its quant_method), None for anything else."""
@@ -40,8 +33,9 @@ def artifact_format(path: str | Path) -> str | None:
         return None
     qcfg = check_config(cfg).get("quantization_config") or {}
     method = qcfg.get("quant_method")
-    if method is not None and method not in DECODERS:
-        raise QuantkitError(f"{path}: quantization method '{method}' is not one quantkit reads ({', '.join(DECODERS)})")
+    if method is not None and formats.find(method) is None:
+        raise QuantkitError(f"{path}: quantization method '{method}' is not one quantkit reads "
+                            f"({', '.join(formats.names())})")
     return method
 
 
@@ -60,18 +54,18 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def quantized_state_dict(
     folder: Path, fmt: str, qcfg: dict, dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight | Fp8Weight]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedTensor]]:
     """The artifact's unquantized tensors (floats cast to dtype) and its decoded quantized Linear weights."""
-    marker, decode = DECODERS[fmt]
+    codec = formats.get(fmt)
     tensors = read_tensors(folder)
-    modules = split_by_module(tensors, marker(qcfg))
+    modules = split_by_module(tensors, codec.marker(qcfg))
     state = {}
     for name, t in tensors.items():
         prefix, _, _ = name.rpartition(".")
         if prefix in modules and not name.endswith(".bias"):
             continue
         state[name] = t.to(dtype) if t.is_floating_point() else t
-    return state, {prefix: decode(parts, qcfg) for prefix, parts in modules.items()}
+    return state, {prefix: codec.decode(parts, qcfg) for prefix, parts in modules.items()}
 
 
 def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None, int4_backend: str = "auto") -> Loaded:
@@ -99,10 +93,10 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     state, qweights = quantized_state_dict(folder, fmt, qcfg, want)
     state = {ours(k): v for k, v in state.items()}
     qweights = {ours.module(k): v for k, v in qweights.items()}
-    w8a8 = fmt == "compressed-tensors" and compressed_tensors.format_of(qcfg) in W8A8_FORMATS
+    w8a8 = formats.get(fmt).activations(qcfg) is not None
     if w8a8:  # the quantized weights go into W8A8 layers below, not into the float Linears
         kept = qweights
-    elif int4_device is not None and any(isinstance(q, QuantizedWeight) and q.spec.bits == 4
+    elif int4_device is not None and any(q.scheme.kind == "int" and q.scheme.bits == 4
                                          for q in qweights.values()):
         backend = pick_backend(int4_backend, int4_device)
         kept = {name: qw for name, qw in qweights.items() if supports(qw, int4_device, backend) is None}

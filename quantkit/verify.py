@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from . import signing
 from .errors import QuantkitError, first_line
-from .export import layout
+from .export import formats, layout
 from .export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, sha256_file
 from .export.base import split_by_module
 
@@ -265,15 +265,14 @@ def _meta_model(folder: Path, v: Verification):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .model import quiet_transformers, torch_dtype
-    from .runtime import DECODERS
 
     quiet_transformers()
     try:
         raw = json.loads((folder / "config.json").read_text())
         qcfg = raw.pop("quantization_config", None) or {}
         fmt = qcfg.get("quant_method")
-        if fmt not in DECODERS:
-            raise ValueError(f"quantization_config.quant_method is {fmt!r}, not one of {', '.join(DECODERS)}")
+        if formats.find(fmt) is None:
+            raise ValueError(f"quantization_config.quant_method is {fmt!r}, not one of {', '.join(formats.names())}")
         dtype = torch_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
         config = AutoConfig.for_model(**raw)
         with torch.device("meta"):
@@ -288,11 +287,9 @@ def _meta_model(folder: Path, v: Verification):
 
 def _check_tensors(tensors: dict[str, torch.Tensor], model, qcfg: dict, fmt: str, dtype: torch.dtype,
                    v: Verification) -> bool:
-    from .runtime import DECODERS
-
-    marker, decode = DECODERS[fmt]
+    codec = formats.get(fmt)
     try:
-        modules = split_by_module(tensors, marker(qcfg))
+        modules = split_by_module(tensors, codec.marker(qcfg))
     except QuantkitError as err:
         return v.add("shapes", False, f"config.json: {err}")
     expected: dict[str, torch.Tensor] = {}  # the model's tensors, a tied copy once (as the exporter writes them)
@@ -302,7 +299,7 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model, qcfg: dict, fmt: str
             seen.add(id(t))
             expected[name] = t
     try:
-        kind, bits, group_size = layout.layout_of(fmt, qcfg)
+        stored = codec.layout(qcfg)
     except (KeyError, ValueError, TypeError, AttributeError, StopIteration, QuantkitError) as err:
         return v.add("layout", False, f"config.json: quantization_config: {type(err).__name__}: {first_line(err)}")
     packing, shapes, dtypes = [], [], []
@@ -311,12 +308,12 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model, qcfg: dict, fmt: str
         if want is None:
             shapes.append(f"{prefix}: quantized, but config.json's model has no such Linear")
             continue
-        wrong = layout.check_module(kind, bits, group_size, prefix, parts, *want.shape)
+        wrong = layout.check_module(stored, prefix, parts, *want.shape)
         if wrong:  # decoding mistyped or misshapen words would only report an echo of this
             packing += wrong
             continue
         try:
-            got = list(decode(parts, qcfg).shape)
+            got = list(codec.decode(parts, qcfg).shape)
         except Exception as err:  # a decoder indexing missing or mis-shaped parts: report which module
             shapes.append(f"{prefix}: cannot decode ({type(err).__name__}: {first_line(err)})")
             continue
@@ -334,7 +331,7 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model, qcfg: dict, fmt: str
                           f"{str(dtype).removeprefix('torch.')}")
     shapes += [f"{name}: missing from the safetensors files" for name in sorted(expected)]
     ok = v.add("layout", not packing, _more(packing) if packing else
-               f"{len(modules)} quantized modules store the {kind} tensors, dtypes and shapes")
+               f"{len(modules)} quantized modules store the {stored.name} tensors, dtypes and shapes")
     ok = v.add("shapes", not shapes, _more(shapes) if shapes else
                f"{len(modules)} quantized modules and {len(floats)} float tensors match config.json") and ok
     ok = v.add("dtype", not dtypes, _more(dtypes) if dtypes else

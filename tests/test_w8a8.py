@@ -13,7 +13,7 @@ from quantkit.algorithms.fp8 import FP8_MAX, fp8_quantize
 from quantkit.algorithms.grid import INT8_CHANNEL, GridSpec
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.errors import QuantkitError
-from quantkit.export import artifact, compressed_tensors
+from quantkit.export import artifact, compressed_tensors, formats
 from quantkit.export.base import QuantInfo, split_by_module
 from quantkit.kernels.w8a8 import (
     Fp8Linear,
@@ -220,7 +220,7 @@ def test_w8a8_refusals():
     with pytest.raises(QuantkitError, match="m: float-quantized needs FP8 weights"):
         compressed_tensors.encode({"m": rtn_quantize(torch.randn(8, 64), INT8_CHANNEL)}, fp8, torch.float32)
     with pytest.raises(QuantkitError, match="export.formats: gptq stores weight-only"):
-        artifact.encode("gptq", {}, fp8, torch.float32)
+        formats.get("gptq").encode({}, fp8, torch.float32)
     with pytest.raises(QuantkitError, match="quantization_config.format: 'naive-quantized'"):
         compressed_tensors.marker({"format": "naive-quantized"})
 

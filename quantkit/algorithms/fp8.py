@@ -11,19 +11,36 @@ from dataclasses import dataclass
 
 import torch
 
+from .scheme import QuantizedTensor, Scheme
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_DTYPE = torch.float32  # what vLLM allocates for FP8 weight scales
 
 
 @dataclass
-class Fp8Weight:
+class Fp8Weight(QuantizedTensor):
+    kind = "fp8"
     weight: torch.Tensor  # float8_e4m3fn [out, in]
     scale: torch.Tensor  # float32 [out, 1]
 
     @property
+    def scheme(self) -> Scheme:
+        return Scheme("float", 8, -1, True, SCALE_DTYPE)
+
+    @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scale": self.scale}
+
+    def meta(self) -> dict:
+        return {"kind": self.kind}
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], meta: dict) -> Fp8Weight:
+        return cls(tensors["weight"], tensors["scale"])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight.float() * self.scale.float()).to(dtype)

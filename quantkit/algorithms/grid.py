@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .scheme import QuantizedTensor, Scheme
+
 SCALE_DTYPE = torch.float16
 # weights per step of the row-wise loops below: their float32 temporaries stay ~16 MB, whatever the Linear's size
 # (a streamed 8192-wide MLP weight would otherwise hold three 64 MB float32 copies at once)
@@ -44,9 +46,10 @@ INT8_CHANNEL = GridSpec(bits=8, group_size=-1, sym=True)
 
 
 @dataclass
-class QuantizedWeight:
-    """A quantized Linear weight in original column order; the common input of every exporter."""
+class QuantizedWeight(QuantizedTensor):
+    """Integer codes on a GridSpec: what GPTQ, RTN and AWQ produce, and W8A8 int8 weights."""
 
+    kind = "int"
     codes: torch.Tensor  # uint8 [out, in]
     scale: torch.Tensor  # fp16 [out, groups]
     zero: torch.Tensor  # uint8 [out, groups]
@@ -54,8 +57,24 @@ class QuantizedWeight:
     g_idx: torch.Tensor | None = None  # group of each input column, when not col // group_size
 
     @property
+    def scheme(self) -> Scheme:
+        return Scheme("int", self.spec.bits, self.spec.group_size, self.spec.sym, SCALE_DTYPE)
+
+    @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        t = {"codes": self.codes, "scale": self.scale, "zero": self.zero}
+        return t if self.g_idx is None else t | {"g_idx": self.g_idx}
+
+    def meta(self) -> dict:
+        return {"kind": self.kind, "bits": self.spec.bits, "group_size": self.spec.group_size, "sym": self.spec.sym}
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], meta: dict) -> QuantizedWeight:
+        return cls(tensors["codes"], tensors["scale"], tensors["zero"],
+                   GridSpec(meta["bits"], meta["group_size"], meta["sym"]), tensors.get("g_idx"))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g_idx = None if self.g_idx is None else self.g_idx.long()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QuantkitError
+from ..export import formats
 from ..families import family_of
 
 # run as a script under vLLM's interpreter, from a folder with no module named like a package it imports
@@ -94,10 +95,8 @@ def weight_only_int(config: dict) -> bool:
     """Whether vLLM's CPU build runs config.json's quantized Linears with cpu_gemm_wna16: gptq, awq, and
     compressed-tensors groups of integer weights whose inputs stay unquantized."""
     qc = config.get("quantization_config") or {}
-    if qc.get("quant_method") in ("gptq", "awq"):
-        return True
-    return any(isinstance(g, dict) and (g.get("weights") or {}).get("type") == "int" and not g.get("input_activations")
-               for g in qc.get("config_groups", {}).values())
+    fmt = formats.find(qc.get("quant_method"))
+    return fmt is not None and fmt.weight_only_int(qc)
 
 
 class VllmEngine:

@@ -25,28 +25,13 @@ from torch import nn
 
 from ..errors import QuantkitError
 from ..untrusted import check_finite
-from . import awq, compressed_tensors, gptq
-from .base import Encoded, Fp8Weight, QuantInfo, QuantizedWeight
+from ..algorithms.scheme import QuantizedTensor
+from . import formats
+from .base import QuantInfo
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "quantkit.json"
-
-
-def encode(fmt: str, qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, dtype: torch.dtype) -> Encoded:
-    """Packed tensors of `qweights` (any subset of the model's: each module is encoded on its own) and the
-    format's quantization_config, which depends on `info` only."""
-    if fmt == "gptq":
-        if info.activations is not None:
-            raise QuantkitError(f"export.formats: gptq stores weight-only quantization, not {info.activations} W8A8")
-        return gptq.encode(qweights, info)
-    if fmt == "awq":
-        if info.activations is not None:
-            raise QuantkitError(f"export.formats: awq stores weight-only quantization, not {info.activations} W8A8")
-        return awq.encode(qweights, info)
-    # compressed-tensors keeps int scales in the model's float dtype (FP8 scales stay float32); fp16-rounded values
-    # are exact in float32 and float16 (bfloat16 would round them again, so those models get fp16 scales).
-    return compressed_tensors.encode(qweights, info, torch.float32 if dtype == torch.float32 else torch.float16)
 
 
 def stored_keys(model: nn.Module) -> list[str]:
@@ -181,7 +166,7 @@ class ArtifactWriter:
                  overwrite: bool = False, names=None):
         """names: model key -> the original checkpoint's key (moe.CheckpointNames; None: the model's own names)."""
         self.names = names or (lambda key: key)
-        self.dest, self.fmt, self.dtype = Path(dest), fmt, dtype
+        self.dest, self.fmt, self.format, self.dtype = Path(dest), fmt, formats.get(fmt), dtype
         self.info = info if names is None else replace(
             info, unquantized_linears=[names.module(n) for n in info.unquantized_linears])
         if self.dest.exists() and not overwrite:
@@ -205,12 +190,12 @@ class ArtifactWriter:
         if isinstance(err, OSError):
             raise QuantkitError(f"export.output: cannot write {self.dest}: {err.strerror or err}") from None
 
-    def add(self, name: str, t: torch.Tensor, qweights: dict[str, QuantizedWeight | Fp8Weight]) -> None:
+    def add(self, name: str, t: torch.Tensor, qweights: dict[str, QuantizedTensor]) -> None:
         """A state_dict entry: a quantized Linear's weight becomes its packed tensors, any other float is cast to
         the export dtype."""
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and module in qweights:
-            for key, packed in encode(self.fmt, {module: qweights[module]}, self.info, self.dtype).tensors.items():
+            for key, packed in self.format.encode({module: qweights[module]}, self.info, self.dtype).tensors.items():
                 check_finite(self.names(key), packed)
                 self.shards.add(self.names(key), packed)
         else:
@@ -221,7 +206,7 @@ class ArtifactWriter:
     def finish(self, config, tokenizer, generation_config, manifest: dict) -> Path:
         """config: the model's PretrainedConfig; writes config.json with the format's quantization_config."""
         self.shards.close()
-        encoded = encode(self.fmt, {}, self.info, self.dtype)
+        encoded = self.format.encode({}, self.info, self.dtype)
         cfg = config.to_dict()
         cfg.pop("quantization_config", None)
         cfg.pop("auto_map", None)  # a pointer to custom code: an artifact never carries one on
@@ -248,7 +233,7 @@ def write_artifact(
     fmt: str,
     model: nn.Module,
     tokenizer,
-    qweights: dict[str, QuantizedWeight | Fp8Weight],
+    qweights: dict[str, QuantizedTensor],
     info: QuantInfo,
     dtype: torch.dtype,
     max_shard_bytes: int,

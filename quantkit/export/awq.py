@@ -21,6 +21,8 @@ from .. import __version__
 from ..errors import QuantkitError
 from . import packing
 from .base import Encoded, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
+from .layout import F16, I32, Layout, Part, packed
+from .registry import Format, register
 
 MARKER = "qweight"
 BITS = 4
@@ -99,3 +101,38 @@ def encode(qweights: dict[str, QuantizedWeight], info: QuantInfo) -> Encoded:
     autoawq = {"zero_point": True, "q_group_size": group_size, "w_bit": BITS, "version": "GEMM",
                "modules_to_not_convert": skipped}
     return Encoded(tensors, cfg, {"quant_config.json": autoawq})
+
+
+PARTS = {
+    "qweight": Part(I32, lambda d: [[d.cols, packed(d.out, d.bits)]]),
+    "qzeros": Part(I32, lambda d: [[d.groups, packed(d.out, d.bits)]]),
+    "scales": Part(F16, lambda d: [[d.groups, d.out]]),
+}
+
+
+class Awq(Format):
+    name = "awq"
+    bits = (BITS,)
+    loaders = [
+        ("vLLM / SGLang", "vllm serve {path}  # awq / awq_marlin kernels"),
+        ("transformers (AWQ)", "AutoModelForCausalLM.from_pretrained('{path}', device_map='auto')"),
+    ]
+
+    def packed_dims(self, out: int, cols: int) -> dict[str, int]:
+        return {"out_features": out}
+
+    def encode(self, qweights, info: QuantInfo, dtype: torch.dtype) -> Encoded:
+        self.require_weight_only(info)
+        return encode(qweights, info)
+
+    def marker(self, qcfg: dict) -> str:
+        return MARKER  # gptq's too: quant_method tells them apart
+
+    def decode(self, parts: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
+        return decode_module(parts, qcfg)
+
+    def layout(self, qcfg: dict) -> Layout:
+        return Layout(self.name, PARTS, int(qcfg.get("bits", qcfg.get("w_bit", 4))), int(qcfg["group_size"]))
+
+
+register(Awq())

@@ -8,6 +8,7 @@ import torch
 
 from ..algorithms.fp8 import Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..algorithms.scheme import ActivationScheme, Scheme
 
 
 @dataclass
@@ -22,12 +23,25 @@ class QuantInfo:
     block_linears_prefix: str = "model.layers"  # where the decoder blocks live
     activations: str | None = None  # None: weight-only; int8 | fp8: W8A8, activations quantized per token at run time
 
+    @property
+    def scheme(self) -> Scheme:
+        return scheme_of(self.spec, self.activations)
+
 
 @dataclass
 class Encoded:
     tensors: dict[str, torch.Tensor]  # full tensor names -> packed tensors (replacing `<module>.weight`)
     quantization_config: dict
     extra_files: dict[str, dict] = field(default_factory=dict)  # file name -> JSON body
+
+
+def scheme_of(spec: GridSpec, activations: str | None) -> Scheme:
+    """The Scheme of a recipe's weight stage: its int grid, or FP8 weights with FP8 activations (W8A8 fp8)."""
+    if activations is None:
+        return Scheme("int", spec.bits, spec.group_size, spec.sym)
+    kind = "float" if activations == "fp8" else "int"
+    return Scheme(kind, spec.bits, spec.group_size, spec.sym, torch.float32 if kind == "float" else torch.float16,
+                  activations=ActivationScheme(kind))
 
 
 def split_by_module(tensors: dict[str, torch.Tensor], marker: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -48,4 +62,5 @@ def trivial_g_idx(g_idx: torch.Tensor | None, span: int) -> torch.Tensor | None:
     return g_idx.long()
 
 
-__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "GridSpec", "split_by_module", "trivial_g_idx"]
+__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "GridSpec", "Scheme", "scheme_of", "split_by_module",
+           "trivial_g_idx"]

@@ -19,8 +19,11 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 
 from ..algorithms.grid import INT8_CHANNEL
 from ..errors import QuantkitError
+from ..algorithms.scheme import QuantizedTensor
 from . import packing
 from .base import Encoded, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
+from .layout import FLOATS, I32, I64, Layout, Part, packed
+from .registry import Format, register
 
 PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
 MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
@@ -92,7 +95,7 @@ def decode_float_module(t: dict[str, torch.Tensor]) -> Fp8Weight:
     return Fp8Weight(t["weight"], _channel_scale(t).float())
 
 
-def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight | Fp8Weight:
+def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
     fmt = format_of(qcfg)
     if fmt == INT:
         return decode_int_module(t)
@@ -119,7 +122,7 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight | F
     )
 
 
-def encode_w8a8(qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
+def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
     """int-quantized (int8 weights) or float-quantized (FP8 weights), activations dynamic per token: llm-compressor's
     W8A8 and FP8_DYNAMIC presets, the schemes vLLM runs as CompressedTensorsW8A8Int8 / CompressedTensorsW8A8Fp8."""
     fmt = W8A8_FORMATS.get(info.activations)
@@ -130,7 +133,7 @@ def encode_w8a8(qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInf
         if fmt == INT and getattr(qw, "spec", None) != INT8_CHANNEL:
             got = getattr(qw, "spec", type(qw).__name__)
             raise QuantkitError(f"{name}: int-quantized needs 8-bit symmetric per-channel int weights, got {got}")
-        if fmt == FLOAT and not isinstance(qw, Fp8Weight):
+        if fmt == FLOAT and qw.scheme.kind != "float":
             raise QuantkitError(f"{name}: float-quantized needs FP8 weights, got {type(qw).__name__}")
         parts = encode_int_module(qw, scale_dtype) if fmt == INT else encode_float_module(qw)
         tensors.update({f"{name}.{suffix}": t for suffix, t in parts.items()})
@@ -150,7 +153,7 @@ def encode_w8a8(qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInf
     return Encoded(tensors, config.model_dump(mode="json", exclude_none=False))
 
 
-def encode(qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
+def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
     if info.activations is not None:
         return encode_w8a8(qweights, info, scale_dtype)
     tensors = {
@@ -175,3 +178,58 @@ def encode(qweights: dict[str, QuantizedWeight | Fp8Weight], info: QuantInfo, sc
         quantization_status="compressed",
     )
     return Encoded(tensors, config.model_dump(mode="json", exclude_none=False))
+
+
+_ROW_SCALE = Part(FLOATS, lambda d: [[d.out, 1], [1]])  # W8A8: per channel, or per tensor as llm-compressor writes
+PARTS = {
+    PACKED: {
+        "weight_packed": Part(I32, lambda d: [[d.out, packed(d.cols, d.bits)]]),
+        "weight_scale": Part(FLOATS, lambda d: [[d.out, d.groups]]),
+        "weight_zero_point": Part(I32, lambda d: [[packed(d.out, d.bits), d.groups]], required=False),
+        "weight_shape": Part(I64, lambda d: [[2]]),
+        "weight_g_idx": Part(I32, lambda d: [[d.cols]], required=False),
+    },
+    INT: {"weight": Part((torch.int8,), lambda d: [[d.out, d.cols]]), "weight_scale": _ROW_SCALE},
+    FLOAT: {"weight": Part((torch.float8_e4m3fn,), lambda d: [[d.out, d.cols]]),
+            "weight_scale": Part((torch.float32,), _ROW_SCALE.shapes)},
+}
+
+
+class CompressedTensors(Format):
+    name = "compressed-tensors"
+    bits = (4, 8)
+    kinds = ("int", "float")
+    weight_only = False
+    loaders = [
+        ("vLLM / SGLang", "vllm serve {path}"),
+        ("transformers (with compressed-tensors)", "AutoModelForCausalLM.from_pretrained('{path}')"),
+    ]
+
+    def encode(self, qweights, info: QuantInfo, dtype: torch.dtype) -> Encoded:
+        # int scales are kept in the model's float dtype (FP8 scales stay float32); fp16-rounded values are exact in
+        # float32 and float16 (bfloat16 would round them again, so those models get fp16 scales).
+        return encode(qweights, info, torch.float32 if dtype == torch.float32 else torch.float16)
+
+    def marker(self, qcfg: dict) -> str:
+        return marker(qcfg)
+
+    def decode(self, parts: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
+        return decode_module(parts, qcfg)
+
+    def layout(self, qcfg: dict) -> Layout:
+        kind = format_of(qcfg)
+        if kind != PACKED:
+            return Layout(kind, PARTS[kind], 8, -1)
+        w = next(iter(qcfg["config_groups"].values()))["weights"]
+        return Layout(kind, PARTS[kind], int(w["num_bits"]), int(w.get("group_size") or -1))
+
+    def activations(self, qcfg: dict) -> str | None:
+        return {v: k for k, v in W8A8_FORMATS.items()}.get(format_of(qcfg))
+
+    def weight_only_int(self, qcfg: dict) -> bool:
+        """Groups of integer weights whose inputs stay unquantized."""
+        return any(isinstance(g, dict) and (g.get("weights") or {}).get("type") == "int"
+                   and not g.get("input_activations") for g in qcfg.get("config_groups", {}).values())
+
+
+register(CompressedTensors())

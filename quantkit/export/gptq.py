@@ -21,6 +21,8 @@ import torch
 from .. import __version__
 from . import packing
 from .base import Encoded, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
+from .layout import F16, I32, Layout, Part, packed
+from .registry import Format, register
 
 MARKER = "qweight"
 
@@ -93,3 +95,39 @@ def encode(qweights: dict[str, QuantizedWeight], info: QuantInfo) -> Encoded:
     if dynamic:
         cfg["dynamic"] = dynamic
     return Encoded(tensors, cfg, {"quantize_config.json": {k: v for k, v in cfg.items() if k != "quant_method"}})
+
+
+PARTS = {
+    "qweight": Part(I32, lambda d: [[packed(d.cols, d.bits), d.out]]),
+    "qzeros": Part(I32, lambda d: [[d.groups, packed(d.out, d.bits)]]),
+    "scales": Part(F16, lambda d: [[d.groups, d.out]]),
+    "g_idx": Part(I32, lambda d: [[d.cols]], required=False),
+}
+
+
+class Gptq(Format):
+    name = "gptq"
+    bits = (2, 3, 4, 8)
+    loaders = [
+        ("vLLM / SGLang", "vllm serve {path}  # gptq / gptq_marlin kernels"),
+        ("transformers (with gptqmodel)", "AutoModelForCausalLM.from_pretrained('{path}', device_map='auto')"),
+    ]
+
+    def packed_dims(self, out: int, cols: int) -> dict[str, int]:
+        return {"in_features": cols, "out_features": out}  # qweight along in, qzeros along out
+
+    def encode(self, qweights, info: QuantInfo, dtype: torch.dtype) -> Encoded:
+        self.require_weight_only(info)
+        return encode(qweights, info)
+
+    def marker(self, qcfg: dict) -> str:
+        return MARKER
+
+    def decode(self, parts: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
+        return decode_module(parts, qcfg)
+
+    def layout(self, qcfg: dict) -> Layout:
+        return Layout(self.name, PARTS, int(qcfg["bits"]), int(qcfg["group_size"]))
+
+
+register(Gptq())

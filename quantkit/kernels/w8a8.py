@@ -16,6 +16,7 @@ from torch import nn
 
 from ..algorithms.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, fp8_quantize
 from ..algorithms.grid import INT8_CHANNEL, QuantizedWeight
+from ..algorithms.scheme import QuantizedTensor
 from ..algorithms.rtn import rtn_quantize
 from ..errors import QuantkitError
 
@@ -167,7 +168,10 @@ class Fp8Linear(nn.Module):
         return out.to(x.dtype).reshape(*lead, -1)
 
 
-def swap_w8a8_linears(model: nn.Module, qweights: dict[str, QuantizedWeight | Fp8Weight]) -> None:
+LAYERS = {"int": Int8Linear, "float": Fp8Linear}  # a W8A8 weight's scheme kind -> the layer that runs it
+
+
+def swap_w8a8_linears(model: nn.Module, qweights: dict[str, QuantizedTensor]) -> None:
     """Replace each named nn.Linear by the W8A8 layer for its quantized weight (int8 codes or FP8), in place;
     the bias and the device are kept."""
     for name, qw in qweights.items():
@@ -176,7 +180,6 @@ def swap_w8a8_linears(model: nn.Module, qweights: dict[str, QuantizedWeight | Fp
             raise QuantkitError(f"{name}: not an nn.Linear ({type(linear).__name__})")
         if tuple(qw.shape) != tuple(linear.weight.shape):
             raise QuantkitError(f"{name}: quantized weight {tuple(qw.shape)} does not fit {tuple(linear.weight.shape)}")
-        kind = Fp8Linear if isinstance(qw, Fp8Weight) else Int8Linear
-        layer = kind.from_weights(qw, linear.bias).to(linear.weight.device)
+        layer = LAYERS[qw.scheme.kind].from_weights(qw, linear.bias).to(linear.weight.device)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, layer)

@@ -8,8 +8,9 @@ from dataclasses import fields, replace
 import torch
 from torch import nn
 
-from ..algorithms.fp8 import Fp8Weight, fp8_quantize
-from ..algorithms.grid import GridSpec, QuantizedWeight, row_steps
+from ..algorithms.fp8 import fp8_quantize
+from ..algorithms.grid import GridSpec, row_steps
+from ..algorithms.scheme import QuantizedTensor
 from ..algorithms.rtn import rtn_quantize
 from .base import Method, register
 from .config import WeightQuant
@@ -19,7 +20,7 @@ class RTN(WeightQuant):
     pass
 
 
-def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedWeight | Fp8Weight, float]:
+def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedTensor, float]:
     """Round-to-nearest (FP8 for type: float) swapped into the Linear; the loss is the weight's mean squared error."""
     if args.type == "float":
         qw = fp8_quantize(module.weight.data)

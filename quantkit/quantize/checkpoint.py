@@ -27,8 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..algorithms.fp8 import Fp8Weight
-from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
 from ..files import write_json_atomic
 from .activations import Activations
@@ -47,29 +46,18 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp.replace(path)
 
 
-def _pack_weights(qweights: dict[str, QuantizedWeight | Fp8Weight]) -> tuple[dict, dict]:
-    tensors, specs = {}, {}
-    for name, qw in qweights.items():
-        if isinstance(qw, Fp8Weight):
-            tensors |= {f"q.{name}.weight": qw.weight, f"q.{name}.scale": qw.scale}
-            specs[name] = {"fp8": True}
-            continue
-        tensors |= {f"q.{name}.codes": qw.codes, f"q.{name}.scale": qw.scale, f"q.{name}.zero": qw.zero}
-        if qw.g_idx is not None:
-            tensors[f"q.{name}.g_idx"] = qw.g_idx
-        specs[name] = {"bits": qw.spec.bits, "group_size": qw.spec.group_size, "sym": qw.spec.sym}
-    return tensors, specs
+def _pack_weights(qweights: dict[str, QuantizedTensor]) -> tuple[dict, dict]:
+    """The block file's `q.<module>.<tensor>` entries and state.json's `specs` (each module's meta)."""
+    tensors = {f"q.{name}.{k}": t for name, qw in qweights.items() for k, t in qw.to_tensors().items()}
+    return tensors, {name: qw.meta() for name, qw in qweights.items()}
 
 
-def _unpack_weights(tensors: dict[str, torch.Tensor], specs: dict) -> dict[str, QuantizedWeight | Fp8Weight]:
-    out: dict[str, QuantizedWeight | Fp8Weight] = {}
-    for name, spec in specs.items():
-        if spec.get("fp8"):
-            out[name] = Fp8Weight(tensors[f"q.{name}.weight"], tensors[f"q.{name}.scale"])
-            continue
-        out[name] = QuantizedWeight(tensors[f"q.{name}.codes"], tensors[f"q.{name}.scale"], tensors[f"q.{name}.zero"],
-                                    GridSpec(spec["bits"], spec["group_size"], spec["sym"]),
-                                    tensors.get(f"q.{name}.g_idx"))
+def _unpack_weights(tensors: dict[str, torch.Tensor], specs: dict) -> dict[str, QuantizedTensor]:
+    out = {}
+    for name, meta in specs.items():
+        prefix = f"q.{name}."
+        out[name] = QuantizedTensor.from_tensors(
+            {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}, meta)
     return out
 
 
@@ -156,7 +144,7 @@ class BlockCheckpoints:
         for i in range(state["done"] + 1):
             tensors = load_file(str(self.folder / f"block-{i}.safetensors"))
             block_state = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
-            specs = {n: s for n, s in state["specs"].items() if f"q.{n}.scale" in tensors}
+            specs = {n: s for n, s in state["specs"].items() if any(k.startswith(f"q.{n}.") for k in tensors)}
             qweights |= _unpack_weights(tensors, specs)
             put(i, blocks[i], block_state, qweights)
         hidden.load(self._hidden(state["done"]))

@@ -3,16 +3,16 @@ grid and the formats before any work, and the result the layer-wise run fills in
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..algorithms.fp8 import Fp8Weight
-from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..algorithms.grid import GridSpec
+from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
-from ..export.base import QuantInfo
+from ..export import formats as format_registry
+from ..export.base import QuantInfo, scheme_of
 from ..families import ROUTERS
 from ..model import block_linears, check_supported, decoder_blocks, matches
 from ..recipe import Stage
@@ -20,7 +20,7 @@ from ..recipe import Stage
 
 @dataclass
 class QuantResult:
-    qweights: dict[str, QuantizedWeight | Fp8Weight]
+    qweights: dict[str, QuantizedTensor]
     info: QuantInfo
     losses: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens each GPTQ Hessian summed
@@ -34,6 +34,7 @@ def plan(
     transforms: the stages before the weight stage (its position in error messages, the method's name)."""
     args, path = stage.weights, f"stages.{len(transforms)}.{stage.name}"
     spec = GridSpec(args.bits, args.group_size, args.sym)
+    scheme = scheme_of(spec, None if args.activations is None else args.activations.kind)
     prefix, blocks = decoder_blocks(model)
     check_supported(model, blocks)
     in_blocks = {  # MoE routers stay float
@@ -50,20 +51,10 @@ def plan(
                 f"{path}.group_size: {args.group_size} does not divide in_features "
                 f"{m.in_features} of {name}; use {' or '.join(map(str, divisors + [-1]))}"
             )
-        if args.activations is not None:
-            continue  # W8A8 weights are stored one int8 / FP8 value per element: nothing to pack
         for fmt in formats:
-            # GPTQ packs along in (qweight) and out (qzeros); compressed-tensors along in only; AWQ along out only.
-            dims = {
-                "gptq": {"in_features": m.in_features, "out_features": m.out_features},
-                "awq": {"out_features": m.out_features},
-            }.get(fmt, {"in_features": m.in_features})
-            for dim, size in dims.items():
-                if (size * args.bits) % 32:
-                    raise QuantkitError(
-                        f"export.formats: {fmt} cannot pack {args.bits}-bit {name} ({dim}={size} is not a "
-                        f"multiple of {32 // math.gcd(32, args.bits)})"
-                    )
+            problem = format_registry.get(fmt).check_linear(scheme, name, m.out_features, m.in_features)
+            if problem:
+                raise QuantkitError(problem)
     # float Linears, and MoE routers (some are not nn.Linear) so that no loader quantizes them
     unquantized = sorted(n for n, m in model.named_modules() if n not in targets and (
         isinstance(m, nn.Linear) or (n.rpartition(".")[2] in ROUTERS and getattr(m, "weight", None) is not None
