@@ -32,6 +32,7 @@ from .errors import QuantkitError, first_line
 from .export import formats, layout
 from .export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, sha256_file
 from .export.base import split_by_module
+from .families import moe
 
 # files a loader may execute: Python, compiled modules, pickles (torch.load and friends run code from them)
 CODE_SUFFIXES = {".py", ".pyc", ".pyo", ".so", ".pyd", ".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
@@ -261,7 +262,8 @@ def _check_index(path: Path, where: dict[str, str], v: Verification) -> bool:
 
 
 def _meta_model(folder: Path, v: Verification):
-    """(model on the meta device, quantization_config, format, float dtype) from config.json, or None."""
+    """(model on the meta device with per-expert Linears, its checkpoint names, quantization_config, format, float
+    dtype) from config.json, or None."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .model import quiet_transformers, torch_dtype
@@ -277,17 +279,20 @@ def _meta_model(folder: Path, v: Verification):
         config = AutoConfig.for_model(**raw)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        # per-expert Linears, as quantized; the artifact keeps the original checkpoint's names for them
+        names = moe.prepare(model).inverse()
     # any error transformers raises for a bad config (ValueError, KeyError, TypeError, ...) is a finding here
     except Exception as err:
         v.add("config", False, f"config.json: {first_line(err)}")
         return None
     v.add("config", True, f"config.json: {type(model).__name__}, {fmt}, {str(dtype).removeprefix('torch.')}")
-    return model, qcfg, fmt, dtype
+    return model, names, qcfg, fmt, dtype
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], model, qcfg: dict, fmt: str, dtype: torch.dtype,
-                   v: Verification) -> bool:
+def _check_tensors(tensors: dict[str, torch.Tensor], model, names: moe.CheckpointNames, qcfg: dict, fmt: str,
+                   dtype: torch.dtype, v: Verification) -> bool:
     codec = formats.get(fmt)
+    tensors = {names(k): t for k, t in tensors.items()}
     try:
         modules = split_by_module(tensors, codec.marker(qcfg))
     except QuantkitError as err:

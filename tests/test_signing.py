@@ -329,6 +329,9 @@ VARIANTS = {
     "w8a8-fp8": ("llama", "rtn: {type: float, bits: 8, group_size: -1, activations: {type: float}}",
                  ("compressed-tensors",)),
     "opt-biases": ("opt", "rtn: {bits: 4, group_size: 32}", ("gptq", "awq")),
+    # per-expert Linears under the original checkpoint's names (Mixtral: block_sparse_moe.experts.E.w1)
+    "qwen3-moe": ("qwen3_moe", "rtn: {bits: 4, group_size: 32}", ("gptq", "compressed-tensors")),
+    "mixtral": ("mixtral", "rtn: {bits: 4, group_size: 32}", ("gptq", "compressed-tensors")),
 }
 
 
