@@ -109,7 +109,8 @@ def test_eval_runs_on_it(quantized, monkeypatch):
 
 
 def test_an_unregistered_method_is_an_unknown_key(quantized, tiny_llama, tmp_path, monkeypatch, capsys):
-    # after the module's registration is gone (the fixture above is torn down last: remove it here)
+    # rtn_floor once its registration is removed (the module fixture keeps it until the last test), and a key never
+    # registered: the error of a recipe without extensions, the kinds listed as at import
     unregister()
     try:
         for stage in (STAGE, "rtn_ceil: {bits: 4}"):
