@@ -5,12 +5,14 @@ Validated with pydantic; every error becomes one line naming the field path and 
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BeforeValidator, Field, ValidationError, create_model, model_validator
+from pydantic import (BaseModel, BeforeValidator, Field, ValidationError, create_model, model_serializer,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from .data import domain_name, expand
@@ -61,9 +63,8 @@ class MoE(_Strict):
 
 # A recipe is zero or more transform stages (they rewrite the float weights, the model function unchanged),
 # then exactly one weight stage. A kind may be both (AWQ: a transform before gptq, or the weight stage alone).
-# The kinds are the registered methods (quantkit/methods), one optional field each.
-WEIGHT_STAGES = tuple(k for k, m in METHODS.items() if m.weight)
-TRANSFORM_STAGES = tuple(k for k, m in METHODS.items() if m.transform)
+# The kinds are the registered methods (quantkit/methods), one optional field each: Stage has those registered at
+# import; parse_recipe validates with a model that has those registered now (_recipe_model).
 
 
 class _StageBase(_Strict):
@@ -73,6 +74,13 @@ class _StageBase(_Strict):
             raise PydanticCustomError("stage", "a stage is exactly one of: {kinds}",
                                       {"kinds": ", ".join(type(self).model_fields)})
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        # a kind registered after import is written only where used, so a recipe's dump (quantkit.json, the resume
+        # fingerprint) is the same whatever extensions are loaded
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k in _IMPORTED_KEYS}
 
     @property
     def name(self) -> str:
@@ -92,8 +100,16 @@ class _StageBase(_Strict):
         return self.method.weights(self.args)
 
 
-Stage = create_model("Stage", __base__=_StageBase,
-                     **{k: (m.config | None, None) for k, m in METHODS.items()})  # type: ignore[call-overload]
+def _stage_model(kinds: tuple[tuple[str, type[BaseModel]], ...]) -> type[_StageBase]:
+    return create_model("Stage", __base__=_StageBase,
+                        **{k: (config | None, None) for k, config in kinds})  # type: ignore[call-overload]
+
+
+def _kinds() -> tuple[tuple[str, type[BaseModel]], ...]:
+    return tuple((k, m.config) for k, m in METHODS.items())
+
+
+Stage = _stage_model(_kinds())
 
 
 def _format_name(name: Any) -> Any:
@@ -233,7 +249,8 @@ class Recipe(_Strict):
             weight = next((i for i, s in enumerate(self.stages) if s.method.weight), None)
             if weight is None:
                 raise _error("stages: the last stage quantizes the weights ({kinds}); {name} only transforms them",
-                             kinds=", ".join(WEIGHT_STAGES), name=self.stages[last].name)
+                             kinds=", ".join(k for k, m in METHODS.items() if m.weight),
+                             name=self.stages[last].name)
             raise _error("stages.{i}.{name}: transform stages go before the weight stage (stages.{w}.{weight})",
                          i=last, name=self.stages[last].name, w=weight, weight=self.stages[weight].name)
         for i, stage in enumerate(self.stages[:last]):
@@ -241,7 +258,7 @@ class Recipe(_Strict):
                 raise _error("stages.{i}.{name}: one weight-quantizing stage per recipe, the last one "
                              "(stages.{last} is {other}); only {transforms} may come before it",
                              i=i, name=stage.name, last=last, other=self.stages[last].name,
-                             transforms=", ".join(TRANSFORM_STAGES))
+                             transforms=", ".join(k for k, m in METHODS.items() if m.transform))
         for i, stage in enumerate(self.stages[:last]):  # rules between a transform and what follows it
             stage.method.check_order(i, self.stages, last)
 
@@ -324,11 +341,24 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: {where}{e['msg']}{shown}"
 
 
+@functools.cache
+def _recipe_model(kinds: tuple[tuple[str, type[BaseModel]], ...]) -> type[Recipe]:
+    """Recipe, or for methods registered after import (an extension's) a subclass whose stages accept them too.
+    Keyed by key and config, so a key registered again with another config gets a new model."""
+    if kinds == _IMPORTED:
+        return Recipe
+    return create_model("Recipe", __base__=Recipe, stages=(list[_stage_model(kinds)], Field(min_length=1)))
+
+
+_IMPORTED = _kinds()
+_IMPORTED_KEYS = {k for k, _ in _IMPORTED}
+
+
 def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
     if not isinstance(data, dict):
         raise QuantkitError(f"{source}: expected a mapping with keys model, calibration, stages, export")
     try:
-        return Recipe.model_validate(data)
+        return _recipe_model(_kinds()).model_validate(data)
     except ValidationError as err:
         raise QuantkitError(format_validation_error(err, source)) from None
 

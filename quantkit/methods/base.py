@@ -3,11 +3,18 @@ so that none of them names one."""
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import ClassVar
 
+import torch
 from pydantic import BaseModel
+from torch import nn
 
-from ..algorithms.grid import STEP
+from ..algorithms.fp8 import fp8_quantize
+from ..algorithms.grid import STEP, GridSpec, row_steps
+from ..algorithms.rtn import rtn_quantize
+from ..algorithms.scheme import QuantizedTensor
+from .config import WeightQuant
 
 
 class Method:
@@ -31,6 +38,12 @@ class Method:
         """As the weight stage, the grid and Linears it quantizes to (a WeightQuant's fields)."""
         return args
 
+    def round(self, module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedTensor, float]:
+        """As a weight stage that does not solve, quantize one Linear to `args` (self.weights of the stage's
+        arguments): its weight becomes the dequantized result; returns the codes (on the host) and the loss.
+        Round-to-nearest unless a method rounds otherwise."""
+        return round_linear(module, args, spec)
+
     def check_order(self, i: int, stages: list, last: int) -> None:
         """Rules between this transform (stages[i]) and the stages after it; raises a recipe error."""
 
@@ -45,6 +58,22 @@ class Method:
         and packing go a few rows at a time (grid.row_steps): the codes, the dequantized copy in the weight's dtype,
         the packed words, and one step's float32 / int64 temporaries."""
         return widest * (1 + elt + 1) + min(STEP, widest) * (4 + 4 + 8 + 8)
+
+
+def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedTensor, float]:
+    """Round-to-nearest (FP8 for type: float) swapped into the Linear; the loss is the weight's mean squared error."""
+    if args.type == "float":
+        qw = fp8_quantize(module.weight.data)
+    else:
+        qw = rtn_quantize(module.weight.data, spec, args.observer)
+    deq = qw.dequantize(module.weight.dtype).to(module.weight.device)
+    w = module.weight.data
+    squares = sum(float((deq[r].float() - w[r].float()).square().sum(dtype=torch.float64))
+                  for r in row_steps(*w.shape))  # a few MB of float32 at a time
+    module.weight.data = deq
+    # on the host, as GPTQ's results are: the packers and the memory plan hold codes there
+    return replace(qw, **{f.name: getattr(qw, f.name).cpu() for f in fields(qw)
+                          if isinstance(getattr(qw, f.name), torch.Tensor)}), squares / w.numel()
 
 
 METHODS: dict[str, Method] = {}  # recipe key -> method, in registration order (the order errors list them in)

@@ -29,7 +29,7 @@ from ..errors import QuantkitError
 from ..families import moe
 from ..kernels.w8a8 import fake_quantize_tokens
 from ..methods.config import WeightQuant
-from ..methods.rtn import round_linear
+from ..methods.base import round_linear
 from ..progress import Reporter
 from ..recipe import MoE
 from . import microbatches, parking

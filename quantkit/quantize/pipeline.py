@@ -23,8 +23,6 @@ from torch import nn
 from ..errors import QuantkitError
 from ..families import moe
 from ..kernels.w8a8 import fake_quantize_tokens
-from ..methods.config import WeightQuant
-from ..methods.rtn import round_linear
 from ..model import decoder_blocks
 from ..progress import Reporter, fmt_eta
 from ..recipe import MoE, Stage
@@ -62,7 +60,7 @@ def quantize(
     states between blocks live and how many windows a block forward takes."""
     source = source or InMemory()
     prefix, targets, info = plan(model, stage, formats, transforms)
-    # AWQ as the weight stage: its pass scales and clips each block, then RTN rounds on its grid (_rtn_weights)
+    # AWQ as the weight stage: its pass scales and clips each block, then the method rounds on its grid (_round_weights)
     own = [stage] if stage.method.transform else []
     passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1], ranks,
                                     calib.tokens.shape[0] if calib is not None else 0)
@@ -79,7 +77,8 @@ def quantize(
                 source.load(i, block, device)
                 for name, module in targets.items():
                     if name.startswith(f"{prefix}.{i}."):
-                        result.qweights[name], result.losses[name] = round_linear(module, stage.weights, info.spec)
+                        result.qweights[name], result.losses[name] = stage.method.round(module, stage.weights,
+                                                                                        info.spec)
                 source.done(i, block, result.qweights)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
@@ -230,7 +229,7 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                         gptq.waves(run, hidden, names, stage.args, result, report, ranks, f"{prefix}.{i}.", micro,
                                      moe_args)
                 else:
-                    _rtn_weights(names, stage.weights, result, report)
+                    _round_weights(names, stage, result, report)
                 with report.timed("forward"):
                     run_all(in_micro_batches(_act_quant_hooks(run, names, result.info.activations)))
         finally:
@@ -258,10 +257,10 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
             checkpoints.flush()
 
 
-def _rtn_weights(names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult, report: Reporter) -> None:
+def _round_weights(names: dict[nn.Linear, str], stage: Stage, result: QuantResult, report: Reporter) -> None:
     with report.timed("rtn"), torch.no_grad():
         for module, name in names.items():
-            result.qweights[name], result.losses[name] = round_linear(module, args, result.info.spec)
+            result.qweights[name], result.losses[name] = stage.method.round(module, stage.weights, result.info.spec)
 
 
 def _act_quant_hooks(run, names: dict[nn.Linear, str], act: str | None):
