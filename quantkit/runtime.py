@@ -9,7 +9,6 @@ as vLLM does, so eval measures quantized activations too. Plain HF folders and G
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from .families import moe
 from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
-from .untrusted import check_config, check_model
+from .untrusted import SAFETENSORS_INDEX, check_config, check_model, weight_map
 
 def artifact_format(path: str | Path) -> str | None:
     """'gptq' / 'awq' / 'compressed-tensors' for a quantized folder (its quant_method), None for anything else."""
@@ -40,9 +39,12 @@ def artifact_format(path: str | Path) -> str | None:
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(str(folder / "*.safetensors")))
-    if not files:
-        raise QuantkitError(f"{folder}: no *.safetensors files")
+    """The files the index (or model.safetensors) names, each checked inside the folder with its header: a stray
+    *.safetensors beside them is not part of the artifact."""
+    file_of = weight_map(folder)
+    if not file_of:
+        raise QuantkitError(f"{folder}: no model.safetensors or {SAFETENSORS_INDEX}")
+    files = [str(folder / f) for f in sorted(set(file_of.values()))]
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:

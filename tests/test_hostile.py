@@ -372,3 +372,20 @@ def test_finite_check_reads_fp8_tensors():
     check_finite("w", torch.tensor([1.0, -448.0, 0.0]).to(torch.float8_e4m3fn))
     with pytest.raises(QuantkitError, match=r"^model: w holds 1 non-finite values"):
         check_finite("w", torch.tensor([1.0, float("nan"), 0.0]).to(torch.float8_e4m3fn))
+
+
+def test_the_runtime_reads_only_the_files_an_artifact_names(tiny_llama, tmp_path, monkeypatch):
+    # a stray *.safetensors beside the artifact's files (here a symlink leaving the folder) is not part of it
+    from quantkit import runtime
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "o", RTN, formats=("gptq",))
+    assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 0
+    art = tmp_path / "o" / "gptq"
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.no_grad():
+        before = runtime.load(str(art)).model(ids).logits
+    save_file({"model.norm.weight": torch.zeros(64)}, str(tmp_path / "elsewhere.safetensors"))
+    (art / "zz.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with torch.no_grad():
+        after = runtime.load(str(art)).model(ids).logits
+    assert torch.equal(before, after)

@@ -22,6 +22,7 @@ import torch
 from ..errors import QuantkitError
 from ..export import formats
 from ..families import family_of
+from ..untrusted import check_config, check_model
 
 # run as a script under vLLM's interpreter, from a folder with no module named like a package it imports
 WORKER = Path(__file__).parent / "workers" / "vllm_serve.py"
@@ -46,7 +47,8 @@ def served_config(path: str, what: str) -> dict:
     if not cfg.is_file():
         raise QuantkitError(f"{what}: vLLM serves a folder with a config.json (a quantkit artifact or an HF "
                             f"checkpoint); {path} is not one")
-    return json.loads(cfg.read_text())
+    check_model(path, None)  # its config.json, index and safetensors headers, before vLLM reads any of them
+    return check_config(cfg)
 
 
 def int8_activations(config: dict) -> bool:

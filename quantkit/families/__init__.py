@@ -8,7 +8,4 @@ from . import llama, gemma, phi3, granite, olmo, opt  # noqa: F401, I001 (they r
 from . import qwen_moe, mixtral, deepseek, glm4, generic  # noqa: F401, I001
 from .family import Family, Pairs, family_of, pooled, register, supported
 
-__all__ = ["Family", "Pairs", "ROUTERS", "family_of", "pooled", "register", "supported"]
-
-# the routing Linears the quantize pipeline leaves in float, as every peer does: the built-in families' routers
-ROUTERS = pooled("routers")
+__all__ = ["Family", "Pairs", "family_of", "pooled", "register", "supported"]

@@ -1,6 +1,6 @@
 """GPTQ's schedules inside the layer-wise run (quantize/pipeline.py): which Linears are solved when, from which
 inputs. One forward over every window (`one_forward`), or, when the windows come in several batches, waves over
-every batch (`waves`). Both go through one path: the Hessians summed over the ranks (`_reduced`), the `min_tokens`
+every batch (`waves`). Both go through one path: the Hessians summed over the ranks (`_reduce`), the `min_tokens`
 fallback to RTN for experts that saw too few tokens (`_too_few`), each Linear solved on its owner (`_solve_group`)
 and installed on every rank (`_install`). The solve itself is algorithms/gptq.py.
 

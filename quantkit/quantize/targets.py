@@ -13,7 +13,7 @@ from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
 from ..export import formats as format_registry
 from ..export.base import QuantInfo, scheme_of
-from ..families import ROUTERS
+from ..families import pooled
 from ..model import block_linears, check_supported, decoder_blocks, matches
 from ..recipe import Stage
 
@@ -35,11 +35,12 @@ def plan(
     args, path = stage.weights, f"stages.{len(transforms)}.{stage.name}"
     spec = GridSpec(args.bits, args.group_size, args.sym)
     scheme = scheme_of(spec, None if args.activations is None else args.activations.kind)
+    routers = pooled("routers")  # asked now: a family registered after import may add router names
     prefix, blocks = decoder_blocks(model)
     check_supported(model, blocks)
     in_blocks = {  # MoE routers stay float
         f"{prefix}.{i}.{name}": m for i, block in enumerate(blocks) for name, m in block_linears(block).items()
-        if name.rpartition(".")[2] not in ROUTERS
+        if name.rpartition(".")[2] not in routers
     }
     targets = {n: m for n, m in in_blocks.items() if not matches(n, args.ignore)}
     if not targets:
@@ -57,7 +58,7 @@ def plan(
                 raise QuantkitError(problem)
     # float Linears, and MoE routers (some are not nn.Linear) so that no loader quantizes them
     unquantized = sorted(n for n, m in model.named_modules() if n not in targets and (
-        isinstance(m, nn.Linear) or (n.rpartition(".")[2] in ROUTERS and getattr(m, "weight", None) is not None
+        isinstance(m, nn.Linear) or (n.rpartition(".")[2] in routers and getattr(m, "weight", None) is not None
                                      and m.weight.dim() == 2)))
     info = QuantInfo(
         method="+".join(s.name for s in [*transforms, stage]),
