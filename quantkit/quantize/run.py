@@ -144,9 +144,10 @@ def _make_output(out: Path) -> Path | None:
 
 
 def _take_back(out: Path, top: Path) -> None:
-    """A failed run removes the folders it made; per-block resume checkpoints stay for the next try."""
+    """A failed run removes the folders it made; per-block resume checkpoints stay for the next try, and so do the
+    ranks' failure lines (only a run of several processes has them), which the launcher reads after every rank ends."""
     for p in out.iterdir():
-        if p.is_dir() and p.name != RESUME:
+        if p.is_dir() and p.name not in (RESUME, distributed.FOLDER):
             shutil.rmtree(p, ignore_errors=True)
         elif not p.is_dir():
             p.unlink(missing_ok=True)
