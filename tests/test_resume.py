@@ -110,12 +110,12 @@ def test_an_error_in_a_block_keeps_the_checkpoint_written_before_it(four_layers,
     fail = textwrap.dedent("""
         from quantkit.errors import QuantkitError
         from quantkit.quantize import pipeline
-        check = pipeline.check_finite
+        check = pipeline.check_hidden_finite
         def failing(hidden, where):
             if where.endswith(".2"):
                 raise QuantkitError("calibration: non-finite activations " + where + " (injected)")
             check(hidden, where)
-        pipeline.check_finite = failing
+        pipeline.check_hidden_finite = failing
     """)
     failed = quantize(recipe, prelude=fail)
     assert failed.returncode == 2  # the CLI's code for a QuantkitError

@@ -61,7 +61,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.
     return store["hidden"], [store["calls"][i] for i in range(len(blocks))]
 
 
-def check_finite(hidden: torch.Tensor, where: str) -> None:
+def check_hidden_finite(hidden: torch.Tensor, where: str) -> None:
     # an inf or NaN anywhere makes the sum non-finite. Sums in fp32 (fp16's range could overflow), a few rows at a
     # time: sum(dtype=float32) of a bf16 / fp16 tensor first makes a float32 copy of all of it
     rows = hidden.reshape(-1, hidden.shape[-1])

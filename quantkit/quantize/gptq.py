@@ -34,7 +34,7 @@ from ..progress import Reporter
 from ..recipe import MoE
 from . import microbatches, parking
 from .activations import Activations
-from .capture import Stop, check_finite
+from .capture import Stop, check_hidden_finite
 from .distributed import Ranks
 from .targets import QuantResult
 
@@ -98,7 +98,7 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             return (x if act is None else known[1]), known[2]
         for gone in [k for k, (ref, _, _) in seen_inputs[c].items() if ref() is None]:  # W8A8: no x, no use for
             del seen_inputs[c][gone]  # its quantized copy (the attention's, through the MLP)
-        check_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
+        check_hidden_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
         # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
         xq = x if act is None else fake_quantize_tokens(x, act)
         arrived[c] = xq
@@ -290,7 +290,7 @@ def waves(run, hidden: Activations, names: dict[nn.Linear, str], args: WeightQua
             if key == name:
                 if key not in hessians:  # (setdefault would allocate a C x C sum at every call)
                     hessians[key] = _hessian(module, x.device, args)
-                check_finite(x, f"entering {name}")
+                check_hidden_finite(x, f"entering {name}")
                 rows = xq
                 if rows.dim() == 2 and rows.shape[0] == forward["windows"] * forward["len"]:  # MoE flattens tokens
                     rows = rows.view(forward["windows"], forward["len"], -1)

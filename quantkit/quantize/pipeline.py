@@ -30,7 +30,7 @@ from . import gptq, microbatches
 from . import transforms as transform_passes
 from .activations import Activations, Offload
 from .calibration import CalibrationSet
-from .capture import capture_block_inputs, check_finite, to_device
+from .capture import capture_block_inputs, check_hidden_finite, to_device
 from .checkpoint import BlockCheckpoints
 from .distributed import Ranks
 from .source import InMemory, Streamed
@@ -174,7 +174,7 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
             input."""
             for k in range(len(hidden)):
                 out = forward(hidden.read(k))
-                check_finite(out, f"after {prefix}.{i}")
+                check_hidden_finite(out, f"after {prefix}.{i}")
                 hidden.write(k, out)
             hidden.advance()
 
