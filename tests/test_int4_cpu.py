@@ -1,6 +1,8 @@
 """The W4A16 CPU kernel: its packing layout, its output against a float64 dequantize-then-matmul reference on
 every code path (M=1 / small-M GEMV tiles, N tails, the dequantize + sgemm prefill path), and its input checks."""
 
+import os
+
 import pytest
 import torch
 
@@ -100,3 +102,19 @@ def test_bad_shapes_raise_value_error():
             int4_cpu.int4_gemm(x, packed, scales, zeros, group)
     with pytest.raises(ValueError, match="scales must be"):
         int4_cpu.int4_gemm(x, packed, scales[:, :4], zeros, 64)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_once_stale(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = int4_cpu.build_dir()
+    assert folder.parent == tmp_path and folder.name.startswith("quantkit_int4_cpu-")
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.touch()
+    int4_cpu.clear_stale_lock(folder)
+    assert lock.exists()  # a build may be running
+    old = lock.stat().st_mtime - int4_cpu.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    int4_cpu.clear_stale_lock(folder)
+    assert not lock.exists()
+    int4_cpu.clear_stale_lock(folder)  # no lock: nothing to do

@@ -4,20 +4,26 @@ torch's own CPU int4 path (`_weight_int4pack_mm_for_cpu`) is ~10x slower than a 
 CPUs; this kernel reads 4 bits (plus group scales / zeros) per weight and beats float32 at decode, where the
 weights come from DRAM. Layout, math and the prefill path are described in csrc/int4_gemm_cpu.cpp.
 
-The extension is compiled on first use (torch caches the build in ~/.cache/torch_extensions or
-$TORCH_EXTENSIONS_DIR); `available()` says whether this machine can run it.
+The extension is compiled on first use into a folder of torch's extension cache (~/.cache/torch_extensions or
+$TORCH_EXTENSIONS_DIR) named after the source, flags and torch version; `available()` says whether this machine
+can run it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import platform
+import time
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_gemm_cpu.cpp"
 RUN = 16  # a packed run: 16 codes in 8 bytes, byte j = q[j] | q[j + 8] << 4
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+STALE_LOCK_S = 600  # a build takes ~1 min; a lock this old was left by a build that was killed
 
 
 def _cpu_flags() -> set[str]:
@@ -38,6 +44,25 @@ def _first_line(exc: BaseException) -> str:
     return (errors or lines or [type(exc).__name__])[0][:300]
 
 
+def build_dir() -> Path:
+    """This source's build folder: a new source, flag set or torch gets its own, never a half-written older one."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()
+    return Path(root) / f"quantkit_int4_cpu-{key[:12]}"
+
+
+def clear_stale_lock(folder: Path) -> None:
+    """torch's build lock outlives a killed build, and every later build then waits on it forever."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 @functools.cache
 def _load():
     """(the op, None) or (None, why not)."""
@@ -49,11 +74,15 @@ def _load():
     try:
         from torch.utils.cpp_extension import load
 
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(folder)
         # a plain shared library that registers torch.ops.quantkit_int4.int4_gemm when loaded
         load(
             name="quantkit_int4_cpu",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            build_directory=str(folder),
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
