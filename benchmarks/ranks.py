@@ -66,10 +66,14 @@ def main() -> None:
         other = codes(args.work / f"n{row['nproc']}" / "gptq")
         same = sum(int((base[k] == other[k]).sum()) for k in base)
         row["codes_equal"] = same / sum(t.numel() for t in base.values())
+        row["bytes_identical"] = all(
+            (args.work / f"n{rows[0]['nproc']}" / "gptq" / f.name).read_bytes() == f.read_bytes()
+            for f in sorted((args.work / f"n{row['nproc']}" / "gptq").glob("*.safetensors")))
         row["wall_ratio"] = round(row["wall_s"] / rows[0]["wall_s"], 3)
         row["ppl_vs_first"] = row["ppl"] / rows[0]["ppl"] - 1
         print(f"--nproc {row['nproc']}: {row['wall_s']:7.1f} s ({row['wall_ratio']:.2f}x)  ppl {row['ppl']:.4f} "
-              f"({100 * row['ppl_vs_first']:+.3f} %)  codes equal {100 * row['codes_equal']:.3f} %", flush=True)
+              f"({100 * row['ppl_vs_first']:+.3f} %)  codes equal {100 * row['codes_equal']:.3f} %, "
+              f"safetensors {'byte-identical' if row['bytes_identical'] else 'DIFFERENT'}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import smollm2_gptq_recipe, write_recipe
+from conftest import write_recipe
 from safetensors.torch import load_file
 from tiny_models import make_tiny_model
 
@@ -102,26 +102,15 @@ def test_two_ranks_with_activations_on_disk_in_batches_write_the_one_process_art
     assert (runs[1] / "model.safetensors").read_bytes() == (runs[2] / "model.safetensors").read_bytes()
 
 
-@pytest.mark.slow
-def test_two_ranks_on_smollm2_write_the_one_process_artifact(smollm2_hf, smollm2_gptq, tmp_path):
-    run = quantkit("quantize", smollm2_gptq_recipe(tmp_path / "2.yaml", smollm2_hf, tmp_path / "p2"), "--nproc", 2,
-                   "--quiet")
-    assert run.returncode == 0, run.stderr
-    assert agreement(smollm2_gptq / "gptq", tmp_path / "p2" / "gptq") == 1.0
-    for fmt in ("gptq", "compressed-tensors"):
-        assert (smollm2_gptq / fmt / "model.safetensors").read_bytes() == \
-            (tmp_path / "p2" / fmt / "model.safetensors").read_bytes(), fmt
-
-
 KILL_RANK_1 = """
     import os, signal
     if os.environ.get("RANK") == "1":
-        from quantkit.quantize import checkpoint
-        flush = checkpoint.BlockCheckpoints.flush
+        from quantkit.quantize import resume
+        flush = resume.BlockCheckpoints.flush
         def flush_then_{what}(self):
             if flush(self) == 1:  # block 1's checkpoint is on disk
                 {action}
-        checkpoint.BlockCheckpoints.flush = flush_then_{what}
+        resume.BlockCheckpoints.flush = flush_then_{what}
 """
 
 

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 from ..errors import QuantkitError, first_line
 
 FOLDER = ".quantkit-ranks"  # under export.output: each rank's pid, and the error of a rank that failed
+PEER_GRACE_POLLS = 30  # x 0.1 s: how long a failed collective waits to see which peer died
 
 
 @dataclass
@@ -97,16 +99,20 @@ class Ranks:
             raise QuantkitError(self.peer_failure(err)) from None
 
     def peer_failure(self, err: Exception) -> str:
+        """Why a collective failed: a peer's recorded error, or a peer that died. A peer killed by a signal can break
+        the connection a moment before its process is reaped, so its absence is polled for a short while."""
         if self.folder is not None:
-            for r in range(self.world):
-                msg = self.folder / f"rank-{r}.error"
-                if r != self.rank and msg.is_file():
-                    return msg.read_text().strip()
-            for r in range(self.world):
-                pid = self.folder / f"rank-{r}.pid"
-                if r != self.rank and pid.is_file() and not alive(int(pid.read_text())):
-                    return (f"rank {r}: died (process {pid.read_text().strip()} is gone); "
-                            "run the same command again to resume")
+            for _ in range(PEER_GRACE_POLLS):
+                for r in range(self.world):
+                    msg = self.folder / f"rank-{r}.error"
+                    if r != self.rank and msg.is_file():
+                        return msg.read_text().strip()
+                for r in range(self.world):
+                    pid = self.folder / f"rank-{r}.pid"
+                    if r != self.rank and pid.is_file() and not alive(int(pid.read_text())):
+                        return (f"rank {r}: died (process {pid.read_text().strip()} is gone); "
+                                "run the same command again to resume")
+                time.sleep(0.1)
         return f"rank {self.rank}: lost contact with the other ranks ({first_line(err)})"
 
     def record_failure(self, message: str) -> str:
