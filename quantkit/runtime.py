@@ -9,7 +9,6 @@ as vLLM does, so eval measures quantized activations too. Plain HF folders and G
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -23,19 +22,25 @@ from .families import moe
 from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
-from .untrusted import SAFETENSORS_INDEX, check_config, check_model, weight_map
+from .untrusted import SAFETENSORS_INDEX, check_config, weight_map
 
-def artifact_format(path: str | Path) -> str | None:
-    """'gptq' / 'awq' / 'compressed-tensors' for a quantized folder (its quant_method), None for anything else."""
+def _artifact_config(path: str | Path) -> dict | None:
+    """A local folder's config.json, checked (untrusted.check_config), or None where there is none."""
     cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return None
-    qcfg = check_config(cfg).get("quantization_config") or {}
-    method = qcfg.get("quant_method")
+    return check_config(cfg) if cfg.is_file() else None
+
+
+def _format_of(path: str | Path, raw: dict | None) -> str | None:
+    method = ((raw or {}).get("quantization_config") or {}).get("quant_method")
     if method is not None and formats.find(method) is None:
         raise QuantkitError(f"{path}: quantization method '{method}' is not one quantkit reads "
                             f"({', '.join(formats.names())})")
     return method
+
+
+def artifact_format(path: str | Path) -> str | None:
+    """'gptq' / 'awq' / 'compressed-tensors' for a quantized folder (its quant_method), None for anything else."""
+    return _format_of(path, _artifact_config(path))
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -74,7 +79,8 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     """An artifact folder, an HF folder, a GGUF file or a hub id, as a torch model on CPU. With int4_device, 4-bit
     weight-only Linears become W4Linear layers (int4_backend: auto | torch | quantkit, see kernels/w4a16.py) whose
     buffers already live on that device (move the rest after)."""
-    fmt = artifact_format(path)
+    raw = _artifact_config(path)  # parsed and checked once
+    fmt = _format_of(path, raw)
     if fmt is None:
         return load_model(path, dtype)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -83,8 +89,8 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     quiet_transformers()
 
     folder = Path(path)
-    check_model(path, None)  # its config.json's bounds, index and safetensors headers, before the skeleton
-    raw = json.loads((folder / "config.json").read_text())
+    weight_map(folder)  # the index and safetensors headers, before the skeleton
+    raw = dict(raw)
     qcfg = raw.pop("quantization_config")
     stored = torch_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
     want = stored if dtype == "auto" else torch_dtype(dtype)

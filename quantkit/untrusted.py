@@ -37,7 +37,8 @@ def _bad(path: Path | str, what: str) -> QuantkitError:
     return QuantkitError(f"{path}: {what}")
 
 
-def _json_file(path: Path):
+def read_json(path: Path):
+    """A JSON file a model or artifact brought: UTF-8, valid, no key twice (a second one would silently win)."""
     def no_duplicates(pairs):
         keys = [k for k, _ in pairs]
         dup = next((k for k in keys if keys.count(k) > 1), None)
@@ -61,7 +62,7 @@ def check_config(path: Path) -> dict:
 
     from .families import supported
 
-    cfg = _json_file(path)
+    cfg = read_json(path)
     if not isinstance(cfg, dict):
         raise _bad(path, f"is a JSON {type(cfg).__name__}; expected an object")
     model_type = cfg.get("model_type")
@@ -178,7 +179,7 @@ def weight_map(folder: Path) -> dict[str, str] | None:
 
 
 def _index(folder: Path, index: Path) -> dict[str, str]:
-    body = _json_file(index)
+    body = read_json(index)
     file_of = body.get("weight_map") if isinstance(body, dict) else None
     if not isinstance(file_of, dict) or not file_of:
         raise _bad(index, f"weight_map is {file_of!r:.40}; expected a mapping of tensor name to shard file")

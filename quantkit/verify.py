@@ -19,7 +19,6 @@ carries code.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from .export import formats, layout
 from .export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, sha256_file
 from .export.base import split_by_module
 from .families import moe
+from .untrusted import read_json
 
 # files a loader may execute: Python, compiled modules, pickles (torch.load and friends run code from them)
 CODE_SUFFIXES = {".py", ".pyc", ".pyo", ".so", ".pyd", ".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
@@ -134,9 +134,18 @@ def _check_signature(folder: Path, sig: Path, public_key, certificate_chain, v: 
         v.add("signature", True, "unsigned: nothing vouches for these files but quantkit.json beside them")
 
 
+def _read(path: Path):
+    """A JSON file as untrusted.read_json reads it (a key given twice is refused: which one a loader takes is its
+    own choice); the error without the path prefix, as the ValueError the checks below report."""
+    try:
+        return read_json(path)
+    except QuantkitError as err:
+        raise ValueError(str(err).removeprefix(f"{path}: ")) from None
+
+
 def _manifest_files(folder: Path, v: Verification) -> dict[str, str] | None:
     try:
-        body = json.loads((folder / MANIFEST_NAME).read_text())
+        body = _read(folder / MANIFEST_NAME)
         files = body["files"]
         if not isinstance(files, dict) or not all(isinstance(h, str) for h in files.values()):
             raise ValueError("'files' is not a {name: sha256} mapping")
@@ -199,7 +208,7 @@ def _check_files(folder: Path, listed: dict[str, str], sig: Path, v: Verificatio
 def _index_shards(folder: Path) -> list[str]:
     """The files the shard index names ([] without an index; a malformed one is check 3's finding)."""
     try:
-        weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+        weight_map = _read(folder / INDEX_NAME)["weight_map"]
         return sorted({str(f) for f in weight_map.values()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
@@ -212,7 +221,7 @@ def _check_no_code(folder: Path, v: Verification) -> bool:
              if p.suffix in CODE_SUFFIXES and ".git" not in p.relative_to(folder).parts]
     for p in sorted(folder.glob("*.json")):
         try:
-            body = json.loads(p.read_text())
+            body = _read(p)
         except (OSError, ValueError):
             continue  # config.json's own check, or a file that is no loader's
         if isinstance(body, dict) and "auto_map" in body:
@@ -251,7 +260,7 @@ def _read_safetensors(folder: Path, v: Verification) -> dict[str, torch.Tensor] 
 def _check_index(path: Path, where: dict[str, str], v: Verification) -> bool:
     """where: tensor name -> the shard file it was read from."""
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
+        weight_map = _read(path)["weight_map"]
         wrong = sorted(k for k in set(weight_map) | set(where) if weight_map.get(k) != where.get(k))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return v.add("index", False, f"{path.name}: unreadable ({first_line(err)})")
@@ -270,7 +279,7 @@ def _meta_model(folder: Path, v: Verification):
 
     quiet_transformers()
     try:
-        raw = json.loads((folder / "config.json").read_text())
+        raw = _read(folder / "config.json")
         qcfg = raw.pop("quantization_config", None) or {}
         fmt = qcfg.get("quant_method")
         if formats.find(fmt) is None:

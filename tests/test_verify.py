@@ -70,7 +70,7 @@ def truncate(folder):
     (flip_middle_byte, "model.safetensors: sha256 mismatch (expected ", None),
     (truncate, "model.safetensors: sha256 mismatch (expected ",
      "FAIL  safetensors  model.safetensors: unreadable (Error while deserializing header"),
-    (lambda f: (f / "config.json").unlink(), "config.json: missing", "FAIL  config       config.json: No such file"),
+    (lambda f: (f / "config.json").unlink(), "config.json: missing", "FAIL  config       config.json: unreadable (No such file"),
     (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json: missing", None),
 ])
 def test_damage_is_named(artifacts, monkeypatch, capsys, tmp_path, damage, first, also):
@@ -98,6 +98,17 @@ def test_a_float_dtype_other_than_config_says(artifacts, monkeypatch, capsys, tm
     code, lines, _ = verify(monkeypatch, capsys, folder, "--quiet")
     assert code == 1
     assert ": float32, config.json dtype is bfloat16" in lines[-1], lines
+
+
+def test_a_manifest_with_a_key_twice_is_refused(artifacts, monkeypatch, capsys, tmp_path):
+    """A second "files" key would win in json.loads and could list re-hashed files: verify names it instead."""
+    folder = shutil.copytree(artifacts / "gptq", tmp_path / "gptq")
+    text = (folder / "quantkit.json").read_text()
+    (folder / "quantkit.json").write_text(text.replace('{', '{"files": {"config.json": "0"}, ', 1))
+    code, lines, _ = verify(monkeypatch, capsys, folder, "--quiet")
+    assert code == 1
+    assert lines[-1] == f"verify: {folder} FAILED: quantkit.json: unreadable (not valid JSON (key 'files' appears " \
+        "twice); expected a JSON object)", lines
 
 
 def test_unlisted_files_are_a_warning(artifacts, monkeypatch, capsys, tmp_path):
