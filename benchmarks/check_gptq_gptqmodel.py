@@ -47,7 +47,7 @@ def main() -> int:
         return 0
 
     from quantkit import runtime
-    from quantkit.eval.perplexity import eval_tokens
+    from quantkit.evaluation.perplexity import eval_tokens
 
     ours = runtime.load(args.artifact)
     tokens = eval_tokens(ours.tokenizer, "wikitext2", 4 * 256).view(4, 256)

@@ -27,7 +27,7 @@ import torch
 PLAIN = """
 import sys, time, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from quantkit.eval.perplexity import eval_tokens
+from quantkit.evaluation.perplexity import eval_tokens
 t0 = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 ids = eval_tokens(AutoTokenizer.from_pretrained(sys.argv[1]), "wikitext2", int(sys.argv[2]))
@@ -50,8 +50,8 @@ def main() -> None:
 
     from quantkit import runtime
     from quantkit.files import cache_root
-    from quantkit.eval.compare import base_logits_entry, distribution_shift, fill_base_cache
-    from quantkit.eval.perplexity import eval_tokens, window_logits
+    from quantkit.evaluation.compare import base_logits_entry, distribution_shift, fill_base_cache
+    from quantkit.evaluation.perplexity import eval_tokens, window_logits
     from quantkit.progress import Reporter
 
     quiet = Reporter(quiet=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantkit.eval.distribution import _mean_stderr
+from quantkit.evaluation.distribution import _mean_stderr
 
 Z95 = 1.96
 

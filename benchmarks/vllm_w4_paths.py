@@ -22,7 +22,7 @@ from pathlib import Path
 import quantkit.engines.vllm as vllm_engine
 from quantkit.bench.serving import ServingOptions, _summary
 from quantkit.engines.vllm import W4A8_ENV, VllmEngine, interpreter
-from quantkit.eval.runner import EvalOptions, evaluate
+from quantkit.evaluation.runner import EvalOptions, evaluate
 from quantkit.progress import Reporter
 
 PATHS = [("float16", "0"), ("bfloat16", "1"), ("bfloat16", "0")]

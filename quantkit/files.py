@@ -45,3 +45,9 @@ def weight_bytes(path: str | Path, model=None) -> tuple[int, str]:
         return sum(f.stat().st_size for f in files), "safetensors files"
     seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     return sum(seen.values()), "parameters in memory"
+
+
+def write_json(path: str | None, body: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, body)

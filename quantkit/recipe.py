@@ -44,7 +44,7 @@ class Calibration(_Strict):
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=8)
     seed: int = 0
-    # where the hidden states between blocks live (quantize/activations.py); auto: the device when the memory plan
+    # where the hidden states between blocks live (quantize/hidden.py); auto: the device when the memory plan
     # fits there, else host memory, else files in the output folder
     offload: Literal["auto", "device", "cpu", "disk"] = "auto"
     # windows per block forward; None: all of them when they fit, else the most that fit (the memory plan's choice)

@@ -23,7 +23,7 @@ from .files import write_json_atomic
 from .model import model_fingerprint, pick_device
 from .progress import Reporter
 from .quantize.calibration import parts_of
-from .quantize.checkpoint import run_key
+from .quantize.resume import run_key
 from .quantize.run import recipe_fingerprint, run_quantize
 from .recipe import Recipe
 from .verify import sign_verified
@@ -115,7 +115,7 @@ class Release:
                         "device": device_name(pick_device(device)), "data": data, "versions": self.versions})
 
     def evaluate(self) -> dict:
-        from .eval.runner import EvalOptions, evaluate
+        from .evaluation.runner import EvalOptions, evaluate
 
         e = self.recipe.release.eval
         o = EvalOptions(base=self.recipe.model, datasets=list(e.datasets), self_tokens=e.self_tokens,

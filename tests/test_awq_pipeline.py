@@ -17,6 +17,7 @@ from quantkit.errors import QuantkitError
 from quantkit.model import load_model
 from quantkit.progress import Reporter
 from quantkit.recipe import load_recipe, parse_recipe
+from quantkit.quantize import targets as target_plan
 from reference_readers import read_awq_gemm, read_gptq
 from tiny_models import save_with_outliers
 
@@ -278,7 +279,7 @@ def test_plan_counts_a_blocks_clip_samples(outlier_llama):
             "stages": [{"awq": {"group_size": 32, "clip_tokens": clip_tokens}}],
             "export": {"output": "o", "formats": ["awq"]}})
         model = load_model(r.model, r.dtype).model
-        targets = pipeline.plan(model, r.stage, r.export.formats, r.transforms)[1]
+        targets = target_plan.plan(model, r.stage, r.export.formats, r.transforms)[1]
         return memory.plan(model, decoder_blocks(model)[1], targets, r, False, torch.device("cpu")), targets
 
     small, targets = plan(64)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_cli, write_recipe
-from quantkit.quantize.checkpoint import FOLDER as RESUME
+from quantkit.quantize.resume import FOLDER as RESUME
 from quantkit.export import artifact
 
 RTN = "rtn: {bits: 4, group_size: 32}"  # no calibration: the quickest run to reach the check under test

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.eval.compare import LogitCache
-from quantkit.eval.distribution import HIST_EDGES, BaseTopK, ShiftAccumulator, token_stats, token_stats_from_topk
+from quantkit.evaluation.compare import LogitCache
+from quantkit.evaluation.distribution import HIST_EDGES, BaseTopK, ShiftAccumulator, token_stats, token_stats_from_topk
 from quantkit.data import load_prompts
-from quantkit.eval.generation import compare
+from quantkit.evaluation.generation import compare
 from quantkit.lm_eval_tasks import wikitext_pages
-from quantkit.eval.tasks import parse_tasks
+from quantkit.evaluation.tasks import parse_tasks
 from tiny_models import tiny_tokenizer
 from conftest import run_cli, write_recipe
 
@@ -289,7 +289,7 @@ def test_local_arc_easy_matches_brute_force_loglikelihood(monkeypatch, tiny_llam
     """lm-eval's accuracy on the bundled ARC-Easy equals argmax of summed continuation log-probs computed here."""
     from quantkit import runtime
     from quantkit.data import BUNDLED
-    from quantkit.eval.tasks import run_tasks
+    from quantkit.evaluation.tasks import run_tasks
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     loaded = runtime.load(str(tiny_llama))
@@ -359,7 +359,7 @@ def test_report_table_and_plots(monkeypatch, tmp_path, tiny_llama, rtn_artifact)
 def test_greedy_generation_pads_a_batch_with_eos_when_the_tokenizer_has_no_pad_token(tiny_llama):
     """Many base models ship no pad token; batched prompts of different lengths are left-padded with eos, and each
     row's continuation equals that prompt's continuation generated alone."""
-    from quantkit.eval.generation import greedy
+    from quantkit.evaluation.generation import greedy
     from quantkit.model import load_model
     from quantkit.progress import Reporter
 

@@ -172,10 +172,10 @@ class SignedRows(QuantizedTensor):
 
 
 def test_a_new_result_kind_survives_the_resume_checkpoint(tmp_path):
-    """quantize/checkpoint.py stores any QuantizedTensor through to_tensors / meta and rebuilds it by kind."""
+    """quantize/resume.py stores any QuantizedTensor through to_tensors / meta and rebuilds it by kind."""
     from safetensors.torch import load_file, save_file
 
-    from quantkit.quantize.checkpoint import _pack_weights, _unpack_weights
+    from quantkit.quantize.resume import _pack_weights, _unpack_weights
 
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
     scale = w.abs().amax(1, keepdim=True) / 127

@@ -122,3 +122,30 @@ def test_an_unregistered_method_is_an_unknown_key(quantized, tiny_llama, tmp_pat
             assert len(err.strip().splitlines()) == 1, err
     finally:
         register(RTNFloorMethod())  # the fixture's teardown removes it again
+
+
+class NoopFold(WeightQuant):
+    pass
+
+
+class NoopFoldMethod(Method):
+    """A transform method registered without a block pass (quantize.transforms.transform_pass)."""
+
+    key = "noop_fold"
+    config = NoopFold
+    transform = True
+
+
+def test_a_transform_method_without_a_block_pass_is_refused_before_any_work(tiny_llama, tmp_path, monkeypatch,
+                                                                            capsys):
+    register(NoopFoldMethod())
+    try:
+        r = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "q", "noop_fold: {}\n  - rtn: {bits: 4}")
+        assert run_cli(monkeypatch, "quantize", r, "--quiet") == 2
+        err = capsys.readouterr().err
+        assert err == ("error: stages.0.noop_fold: a transform method needs a block pass registered with "
+                       "quantize.transforms.transform_pass for NoopFold\n")
+        assert not (tmp_path / "q").exists()
+    finally:
+        METHODS.pop("noop_fold", None)
+        recipe._recipe_model.cache_clear()

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from conftest import GGUF, run_cli, write_recipe
 from test_bad_input import GPTQ, RTN, model_copy
 from quantkit.errors import QuantkitError
-from quantkit.quantize.checkpoint import FOLDER as RESUME
+from quantkit.quantize.resume import FOLDER as RESUME
 
 SHARD = "model-00001-of-00001.safetensors"
 INDEX = "model.safetensors.index.json"

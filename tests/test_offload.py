@@ -159,15 +159,15 @@ def test_plan_on_a_gpu_holds_one_copy_of_the_windows_on_the_host(llama, offload)
     checkpoint copies its inputs there: the host part of the plan holds one copy of every window. The plan reads only
     the device's type, so this runs without a GPU."""
     from quantkit.model import decoder_blocks
-    from quantkit.quantize import memory, pipeline
-    from quantkit.quantize.activations import Offload
+    from quantkit.quantize import memory, targets as target_plan
+    from quantkit.quantize.hidden import Offload
     from quantkit.quantize.source import Streamed
     from quantkit.recipe import parse_recipe
 
     r = parse_recipe({"model": str(llama), "calibration": {"dataset": "wikitext2", "num_samples": 16, "seq_len": 64},
                       "stages": [{"gptq": {"bits": 4, "group_size": 32}}], "export": {"output": "o"}})
     model = Streamed(str(llama), r.dtype).model
-    targets = pipeline.plan(model, r.stage, r.export.formats, r.transforms)[1]
+    targets = target_plan.plan(model, r.stage, r.export.formats, r.transforms)[1]
     per_window = 64 * model.config.hidden_size * 4
     gpu, cpu = (memory.plan(model, decoder_blocks(model)[1], targets, r, True, torch.device(d), Offload(offload))
                 for d in ("cuda", "cpu"))

@@ -9,6 +9,7 @@ from safetensors import safe_open
 from conftest import run_cli, write_recipe
 from quantkit import runtime
 from quantkit.quantize import pipeline
+from quantkit.quantize import targets as target_plan
 from quantkit.quantize.calibration import build
 from quantkit.errors import QuantkitError
 from quantkit.model import load_model
@@ -243,7 +244,7 @@ def test_fused_experts_are_refused_until_unfused_and_odd_layouts_name_their_clas
                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
     model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(QuantkitError, match="keeps 3-D weights in mlp.experts.gate_up_proj"):
-        pipeline.plan(model, recipe_for(tmp_path).stage, ["gptq"])
+        target_plan.plan(model, recipe_for(tmp_path).stage, ["gptq"])
     model.model.layers[0].mlp.experts.is_transposed = True  # gpt-oss style [in, out] experts
     with pytest.raises(QuantkitError, match="MixtralExperts stores its experts with is_transposed"):
         moe.unfuse(model)

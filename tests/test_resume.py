@@ -15,7 +15,7 @@ import pytest
 from conftest import write_recipe
 from tiny_models import make_tiny_model
 
-from quantkit.quantize.checkpoint import FOLDER
+from quantkit.quantize.resume import FOLDER
 
 STAGES = {
     "gptq": "gptq: {bits: 4, group_size: 32, sym: false, act_order: true}",
@@ -39,14 +39,14 @@ def quantize(recipe: Path, *extra: str, kill_after_block: int | None = None,
         method = "save" if in_flight else "flush"
         prelude += textwrap.dedent(f"""
             import os, signal
-            from quantkit.quantize import checkpoint
-            original = checkpoint.BlockCheckpoints.{method}
+            from quantkit.quantize import resume
+            original = resume.BlockCheckpoints.{method}
             def then_die(self, *args):
                 done = original(self, *args)
                 if (args[0] if {in_flight} else done) == {kill_after_block}:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return done
-            checkpoint.BlockCheckpoints.{method} = then_die
+            resume.BlockCheckpoints.{method} = then_die
         """)
     code = prelude + "import sys\nfrom quantkit.cli import main\nsys.argv = ['quantkit'] + sys.argv[1:]\nmain()\n"
     return subprocess.run([sys.executable, "-c", code, "quantize", str(recipe), *extra],

@@ -11,7 +11,7 @@ from torch import nn
 
 from conftest import run_cli, write_recipe
 from quantkit import runtime
-from quantkit.quantize import calibration, pipeline, transforms
+from quantkit.quantize import calibration, pipeline, smoothquant_pass
 from quantkit.algorithms.grid import INT8_CHANNEL
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.algorithms.smoothquant import MIN_SCALE, channel_absmax, smoothing_scale
@@ -60,7 +60,7 @@ def block0_call(model: nn.Module, ids: torch.Tensor):
     return block, seen["args"][0], run
 
 
-def smooth(sq: transforms.SmoothQuantPass, i: int, block: nn.Module, run) -> None:
+def smooth(sq: smoothquant_pass.SmoothQuantPass, i: int, block: nn.Module, run) -> None:
     handles = sq.observe(i, block)
     run()
     for h in handles:
@@ -87,12 +87,12 @@ def test_only_norm_mappings_are_smoothed():
         ("input_layernorm", SMOOTHED[:3]), ("post_attention_layernorm", SMOOTHED[3:])]
     assert notes == []  # GQA's skipped v_proj -> o_proj is AWQ's business, not reported here
     blocks = decoder_blocks(model)[1]
-    sq = transforms.SmoothQuantPass(SmoothQuant(ignore=["model.layers.1.post_attention_layernorm"]),
+    sq = smoothquant_pass.SmoothQuantPass(SmoothQuant(ignore=["model.layers.1.post_attention_layernorm"]),
                                     "stages.0.smoothquant", "model.layers", blocks)
     assert [len(m) for m in sq.mappings] == [2, 1]
     with pytest.raises(QuantkitError, match=r"^stages.0.smoothquant.ignore: every norm -> Linear mapping is "
                                             r"ignored; nothing to smooth$"):
-        transforms.SmoothQuantPass(SmoothQuant(ignore=["re:.*norm"]), "stages.0.smoothquant", "model.layers", blocks)
+        smoothquant_pass.SmoothQuantPass(SmoothQuant(ignore=["re:.*norm"]), "stages.0.smoothquant", "model.layers", blocks)
 
 
 def test_opt_mappings_and_an_unsmoothable_architecture_is_refused_up_front():
@@ -118,7 +118,7 @@ def test_opt_mappings_and_an_unsmoothable_architecture_is_refused_up_front():
     layer.input_layernorm, layer.post_attention_layernorm = ScaledTanhNorm(32), ScaledTanhNorm(32)
     with pytest.raises(QuantkitError, match=r"^stages.0.smoothquant: no norm -> Linear pair to smooth in "
                                             r"LlamaDecoderLayer \(.*ScaledTanhNorm is not known to compute weight"):
-        transforms.SmoothQuantPass(SmoothQuant(), "stages.0.smoothquant", "model.layers", decoder_blocks(odd)[1])
+        smoothquant_pass.SmoothQuantPass(SmoothQuant(), "stages.0.smoothquant", "model.layers", decoder_blocks(odd)[1])
 
 
 # ------------------------------------------------------------------------------------------- folding
@@ -130,7 +130,7 @@ def test_folding_leaves_the_float_model_unchanged(outliers):
         ref = model(ids).logits
     blocks = decoder_blocks(model)[1]
     norms = [b.input_layernorm.weight.clone() for b in blocks]
-    sq = transforms.SmoothQuantPass(SmoothQuant(alpha=0.8), "stages.0.smoothquant", "model.layers", blocks)
+    sq = smoothquant_pass.SmoothQuantPass(SmoothQuant(alpha=0.8), "stages.0.smoothquant", "model.layers", blocks)
     for i, block in enumerate(blocks):
         smooth(sq, i, block, lambda: model(ids))
     assert sq.smoothed == 4
@@ -146,7 +146,7 @@ def test_inline_smoothing_folds_the_same_scales_without_a_forward_of_its_own():
     separate, inline = tiny_llama_model(True), tiny_llama_model(True)
     with torch.no_grad():
         ref = separate(ids).logits
-    passes = [transforms.SmoothQuantPass(SmoothQuant(alpha=0.8), "stages.0.smoothquant", "model.layers",
+    passes = [smoothquant_pass.SmoothQuantPass(SmoothQuant(alpha=0.8), "stages.0.smoothquant", "model.layers",
                                          decoder_blocks(m)[1]) for m in (separate, inline)]
     for i, (a, b) in enumerate(zip(decoder_blocks(separate)[1], decoder_blocks(inline)[1])):
         smooth(passes[0], i, a, lambda: separate(ids))
@@ -182,7 +182,7 @@ def w8a8_block_errors(smoothed: bool) -> dict[str, float]:
     for h in hooks:
         h.remove()
     if smoothed:
-        smooth(transforms.SmoothQuantPass(SmoothQuant(alpha=0.8), "stages.0.smoothquant", "model.layers",
+        smooth(smoothquant_pass.SmoothQuantPass(SmoothQuant(alpha=0.8), "stages.0.smoothquant", "model.layers",
                                           decoder_blocks(model)[1]), 0, block, run)
     hooks = [block.get_submodule(n).register_forward_pre_hook(
         lambda m, a, n=n: inputs.__setitem__(n, a[0].detach())) for n in names]

@@ -23,9 +23,9 @@ from conftest import write_recipe
 from tiny_models import SERVABLE_EXTRA, make_servable_model
 
 from quantkit.engines.vllm import INT8_INEXACT, MOE_W4A8, NO_WNA16, W4A8, VllmEngine, weight_only_int
-from quantkit.eval.report import markdown as eval_markdown
+from quantkit.evaluation.report import markdown as eval_markdown
 from quantkit.errors import QuantkitError
-from quantkit.eval.runner import EvalOptions, evaluate
+from quantkit.evaluation.runner import EvalOptions, evaluate
 from quantkit.progress import Reporter
 from quantkit.quantize.run import run_quantize
 from quantkit.recipe import load_recipe

@@ -1,6 +1,6 @@
 """AWQ: activation-aware scales searched per norm -> Linear mapping and folded, then optional clipping. As the weight
 stage it rounds to nearest on its own grid; as a transform before gptq it only folds scales and clips, and gptq
-rounds on the same grid. Its block pass is quantize/transforms.AwqPass; the search is algorithms/awq.py."""
+rounds on the same grid. Its block pass is quantize/awq_pass.AwqPass; the search is algorithms/awq.py."""
 
 from __future__ import annotations
 

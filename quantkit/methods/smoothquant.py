@@ -1,5 +1,5 @@
 """SmoothQuant: a transform that moves activation outliers into the weights (s = max|X|^alpha / max|W|^(1-alpha)),
-folded into each norm -> Linear mapping. Its block pass is quantize/transforms.SmoothQuantPass."""
+folded into each norm -> Linear mapping. Its block pass is quantize/smoothquant_pass.SmoothQuantPass."""
 
 from __future__ import annotations
 

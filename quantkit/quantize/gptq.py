@@ -33,7 +33,7 @@ from ..methods.base import round_linear
 from ..progress import Reporter
 from ..recipe import MoE
 from . import microbatches, parking
-from .activations import Activations
+from .hidden import HiddenStates
 from .capture import Stop, check_hidden_finite
 from .distributed import Ranks
 from .targets import QuantResult
@@ -255,7 +255,7 @@ def _independent(a: str, b: str) -> bool:
     return ea is not None and eb is not None and ea[0] == eb[0] and ea[1] != eb[1]
 
 
-def waves(run, hidden: Activations, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
+def waves(run, hidden: HiddenStates, names: dict[nn.Linear, str], args: WeightQuant, result: QuantResult,
                  report: Reporter, ranks: Ranks, block: str, micro: int, moe_args: MoE = MoE()) -> None:
     """GPTQ of one block whose windows come in several batches (offloaded activations). A Linear cannot be solved at
     its first call, which sees one batch only, so the block runs over every batch once per wave of Linears: a wave

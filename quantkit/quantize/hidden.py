@@ -42,7 +42,7 @@ def batches(windows: int, batch_size: int) -> list[slice]:
     return [slice(s, min(s + batch_size, windows)) for s in range(0, windows, batch_size)]
 
 
-class Activations:
+class HiddenStates:
     def __init__(self, where: str, device: torch.device, windows: int, batch_size: int, folder: Path | None = None):
         """windows: this process's calibration windows; folder: where `disk` writes and GPTQ parks its inputs
         (parking.py), removed by close when empty."""

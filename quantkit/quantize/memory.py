@@ -42,7 +42,7 @@ from ..families import moe
 from ..model import resolve_model_path
 from ..recipe import parse_size
 from . import microbatches, parking
-from .activations import OFFLOADS, Offload
+from .hidden import OFFLOADS, Offload
 
 GiB = 1 << 30
 RUNTIME = 64 << 20  # measured: 20-40 MiB of allocator slack over a 16-block streamed GPTQ run

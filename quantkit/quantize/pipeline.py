@@ -28,10 +28,10 @@ from ..progress import Reporter, fmt_eta
 from ..recipe import MoE, Stage
 from . import gptq, microbatches
 from . import transforms as transform_passes
-from .activations import Activations, Offload
+from .hidden import HiddenStates, Offload
 from .calibration import CalibrationSet
 from .capture import capture_block_inputs, check_hidden_finite, to_device
-from .checkpoint import BlockCheckpoints
+from .resume import BlockCheckpoints
 from .distributed import Ranks
 from .source import InMemory, Streamed
 from .targets import QuantResult, plan
@@ -98,7 +98,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
     if tokens.shape[0] == 0:
         raise QuantkitError(f"calibration.num_samples: {calib.tokens.shape[0]} windows for {ranks.world} processes; "
                             "every process needs at least one")
-    hidden = Activations(offload.where, device, tokens.shape[0], offload.batch_size or tokens.shape[0],
+    hidden = HiddenStates(offload.where, device, tokens.shape[0], offload.batch_size or tokens.shape[0],
                          offload.folder)
     micro = microbatches.size(tokens.shape[0], tokens.shape[1])
     try:
@@ -138,7 +138,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
 
 def _blocks(model, blocks, stage, passes, device, prefix, targets, result: QuantResult, report: Reporter,
             checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks, moe_args: MoE,
-            hidden: Activations, calls: dict, micro: int) -> None:
+            hidden: HiddenStates, calls: dict, micro: int) -> None:
     """micro: windows per micro-batch (microbatches.py): every forward of a block runs a few windows at a time."""
     # Linears (by name inside a block) that read one input, for each kind of block (its Linears' names), learned
     # from one window through the first block of that kind (gptq.shared_inputs)

@@ -3,7 +3,7 @@
 After block i the run saves, under EXPORT_OUTPUT/.quantkit-resume/KEY/:
   block-i.safetensors   the block's float state as the next blocks see it (scales folded, weights replaced by
                         their dequantized values) and its quantized weights (codes, scales, zeros / FP8)
-  hidden-i.safetensors  the hidden states entering block i+1, a key per batch (activations.Activations.save;
+  hidden-i.safetensors  the hidden states entering block i+1, a key per batch (hidden.HiddenStates.save;
                         offloaded to disk: a file per batch)
   state.json            {"done": i, losses, pass counters}: written last, by rename, so it never names a block
                         whose files are incomplete
@@ -30,7 +30,7 @@ from torch import nn
 from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
 from ..files import write_json_atomic
-from .activations import Activations
+from .hidden import HiddenStates
 from .distributed import Ranks
 
 FOLDER = ".quantkit-resume"
@@ -81,7 +81,7 @@ class BlockCheckpoints:
         path = self.folder / "state.json"
         return json.loads(path.read_text()) if path.is_file() else {"done": -1}
 
-    def save(self, i: int, block: nn.Module, qweights: dict, losses: dict, hidden: Activations, extra: dict) -> None:
+    def save(self, i: int, block: nn.Module, qweights: dict, losses: dict, hidden: HiddenStates, extra: dict) -> None:
         """Block i is complete: qweights / losses are the block's own entries, hidden what enters block i+1. Its
         files are written in the background; the previous save's are waited for first."""
         self.flush()
@@ -122,7 +122,7 @@ class BlockCheckpoints:
                     "specs": state.get("specs", {}) | body["specs"], "extra": body["extra"]}
             write_json_atomic(self.folder / "state.json", body, indent=None)
         self.ranks.barrier()  # state.json names block i: the older hidden states can go
-        for old in Activations.saved(self._hidden(i - 1)):  # only the newest one is ever read
+        for old in HiddenStates.saved(self._hidden(i - 1)):  # only the newest one is ever read
             old.unlink(missing_ok=True)
         return i
 
@@ -136,7 +136,7 @@ class BlockCheckpoints:
         except QuantkitError:
             pass  # those files are incomplete; the error that ended the run is the one to report
 
-    def restore(self, blocks: nn.ModuleList, put, qweights: dict, hidden: Activations) -> tuple[dict, dict]:
+    def restore(self, blocks: nn.ModuleList, put, qweights: dict, hidden: HiddenStates) -> tuple[dict, dict]:
         """Hands blocks 0..done to put(i, block, state, block_qweights) one at a time, after adding the block's
         quantized weights to `qweights`, and loads the hidden states entering block done+1 into `hidden`; returns
         (losses, extra)."""

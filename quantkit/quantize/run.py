@@ -24,11 +24,11 @@ from ..recipe import Recipe, parse_size
 from ..resources import host_available, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ..untrusted import check_finite, check_positions
 from ..versions import package_versions
-from . import calibration, distributed, memory, pipeline
-from .activations import FOLDER as ACTIVATIONS
-from .activations import Offload
-from .checkpoint import FOLDER as RESUME
-from .checkpoint import BlockCheckpoints, run_key
+from . import calibration, distributed, memory, pipeline, targets as target_plan, transforms
+from .hidden import FOLDER as ACTIVATIONS
+from .hidden import Offload
+from .resume import FOLDER as RESUME
+from .resume import BlockCheckpoints, run_key
 from .memory import fmt_bytes
 from .source import InMemory, Streamed
 
@@ -58,6 +58,7 @@ def plan_run(recipe: Recipe, device: torch.device, report: Reporter, local_ranks
     checked before any weight is read. load: auto streams a local safetensors folder (the same bytes as loading it
     whole, at a fraction of the memory) unless the calibration samples the whole model (`self`). local_ranks:
     processes on this node, each with the plan's host memory to itself."""
+    transforms.check(recipe.stages)
     folder, gguf = resolve_model_path(recipe.model)
     local = not gguf and Path(folder).is_dir()
     if recipe.load == "stream" and not local:
@@ -72,7 +73,7 @@ def plan_run(recipe: Recipe, device: torch.device, report: Reporter, local_ranks
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
     moe.unfuse(skeleton)  # what the pipeline will quantize (Streamed has unfused its own)
     _, blocks = decoder_blocks(skeleton)
-    _, targets, info = pipeline.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)
+    _, targets, info = target_plan.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)
     files = (0, False) if streamed else memory.weight_files(folder, gguf)
     host_free = host_available() // local_ranks
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
