@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -76,7 +77,7 @@ def dumps(record: dict) -> str:
     return f'{text[:-2]},\n "tensors": {{\n{lines}\n }}\n}}\n'
 
 
-def run_case(model_dir: Path, family: str, case: str, gptq: bool, dataset, out_dir: Path) -> None:
+def run_case(model_dir: Path, family: str, case: str, gptq: bool, dataset, out_dir: Path, dtype: str) -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -89,9 +90,39 @@ def run_case(model_dir: Path, family: str, case: str, gptq: bool, dataset, out_d
     modifier = GPTQModifier(**kw, block_size=128, dampening_frac=0.01) if gptq else QuantizationModifier(**kw)
     # MoE experts: oneshot linearizes them after loading (per-expert Linears). Its faster path,
     # load_quantizable_moe, needs torchvision in transformers 5.17 (a CUDA-only wheel on PyPI).
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     oneshot(model=model, recipe=modifier, dataset=dataset, num_calibration_samples=SAMPLES,
             max_seq_length=SEQ_LEN, output_dir=str(out_dir), save_compressed=True)
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.machine())
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def record_case(model_dir: Path, family: str, case: str, method: str, dtype: str, dataset, work: Path,
+                common: dict) -> dict:
+    """Quantize one case with the peer and describe what it wrote (or why it refused)."""
+    from llmcompressor.core import reset_session
+
+    out_dir = work / f"{family}-{case}-{method}"
+    record = dict(family=family, preset=case, method=method, dtype=dtype, shapes=PEER_SHAPES[family],
+                  ignore=IGNORE[family]) | common
+    t0 = time.perf_counter()
+    try:
+        reset_session()
+        run_case(model_dir, family, case, method == "gptq", dataset, out_dir, dtype)
+        record |= dict(accepted=True, quantization_config=quantization_config(out_dir),
+                       tensors=safetensors_layout(out_dir))
+    except Exception as exc:  # the peer refusing a preset is a result, kept in the fixture
+        traceback.print_exc()
+        last = (str(exc).strip().splitlines() or [""])[-1]
+        record |= dict(accepted=False, error=f"{type(exc).__name__}: {last}"[:500])
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    record["seconds"] = round(time.perf_counter() - t0, 1)  # load + oneshot + save, one process for all cases
+    return record
 
 
 def main() -> int:
@@ -99,40 +130,28 @@ def main() -> int:
     ap.add_argument("--family", nargs="+", default=list(PEER_SHAPES))
     ap.add_argument("--preset", nargs="+", default=CASES)
     ap.add_argument("--method", nargs="+", default=["rtn", "gptq"])
+    # the dtype the model is loaded (and its unquantized tensors and int scales saved) in; not float32: a _<dtype>
+    # suffix on the fixture's name
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
-    from llmcompressor.core import reset_session
-
-    versions = {p: metadata.version(p) for p in ("llmcompressor", "compressed-tensors", "transformers", "torch")}
-    tok = tiny_tokenizer()
-    dataset = calibration(tok)
+    common = dict(calibration=dict(samples=SAMPLES, seq_len=SEQ_LEN),
+                  versions={p: metadata.version(p) for p in ("llmcompressor", "compressed-tensors", "transformers",
+                                                             "torch")},
+                  recorded=dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), machine=machine()))
+    dataset = calibration(tiny_tokenizer())
     work = Path(tempfile.mkdtemp(prefix="peer_layouts_"))
     try:
         for family in args.family:
             model_dir = make_tiny_model(work / family, family, **PEER_SHAPES[family])
             for case in args.preset:
                 for method in args.method:
-                    out_dir = work / f"{family}-{case}-{method}"
-                    record = dict(family=family, preset=case, method=method, shapes=PEER_SHAPES[family],
-                                  ignore=IGNORE[family], calibration=dict(samples=SAMPLES, seq_len=SEQ_LEN),
-                                  versions=versions)
-                    t0 = time.perf_counter()
-                    try:
-                        reset_session()
-                        run_case(model_dir, family, case, method == "gptq", dataset, out_dir)
-                        record |= dict(accepted=True, quantization_config=quantization_config(out_dir),
-                                       tensors=safetensors_layout(out_dir))
-                    except Exception as exc:  # the peer refusing a preset is a result, kept in the fixture
-                        traceback.print_exc()
-                        last = (str(exc).strip().splitlines() or [""])[-1]
-                        record |= dict(accepted=False, error=f"{type(exc).__name__}: {last}"[:500])
-                    record["seconds"] = round(time.perf_counter() - t0, 1)
-                    record["recorded"] = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                                              machine=f"{platform.machine()} {platform.processor() or ''}".strip())
-                    path = OUT / family / f"{case}{'_gptq' if method == 'gptq' else ''}.json"
+                    record = record_case(model_dir, family, case, method, args.dtype, dataset, work, common)
+                    suffix = ("_gptq" if method == "gptq" else "") + ("" if args.dtype == "float32" else
+                                                                      f"_{args.dtype}")
+                    path = OUT / family / f"{case}{suffix}.json"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(dumps(record))
-                    shutil.rmtree(out_dir, ignore_errors=True)
-                    print(f"[peer_layouts] {family} {case} {method}: "
+                    print(f"[peer_layouts] {family} {case}{suffix}: "
                           f"{'ok' if record['accepted'] else record['error']} ({record['seconds']} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

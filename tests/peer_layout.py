@@ -7,11 +7,22 @@ reported.
 
 | key | allowed difference | why |
 | --- | --- | --- |
-| args.observer, args.observer_kwargs | any | the calibration observer's name (llm-compressor: memoryless_minmax / static_minmax, quantkit: minmax); no loader reads it |
-| sparsity_config, transform_config | absent vs {} | llm-compressor's ModelCompressor writes {} for "none"; compressed-tensors reads absent the same |
-| moe_sparsity_config | null vs absent | a field compressed-tensors 0.20 added (quantkit's version); llm-compressor 0.14 pins 0.19 |
+| args.observer, args.observer_kwargs | any | the observer's name (llm-compressor: memoryless_minmax, static_minmax; |
+| | | quantkit: minmax); no loader reads it |
+| sparsity_config, transform_config | absent vs {} | llm-compressor's ModelCompressor writes {} for "none"; |
+| | | compressed-tensors reads absent the same |
+| moe_sparsity_config | null vs absent | a field compressed-tensors 0.20 added (quantkit's); llm-compressor pins 0.19 |
 | global_compression_ratio | any | a statistic, not layout |
 | ignore | order | a set of module names to loaders |
+
+Deliberate differences, asserted exactly (documented() lists them for a fixture; the test expects exactly those):
+
+| model dtype | format | tensor | peer | quantkit | why |
+| --- | --- | --- | --- | --- | --- |
+| bfloat16 | pack-quantized, int-quantized | weight_scale | BF16 | F16 | quantkit's int scales are fp16-rounded (what |
+| | | | | | GPTQ / Marlin kernels take); bf16 would round them again, off the grid the codes were chosen on |
+| bfloat16 | float-quantized | weight_scale | BF16 | F32 | quantkit keeps FP8 scales in float32, as vLLM's FP8 |
+| | | | | | layers compute with them |
 
 Quantization args are compared after compressed-tensors' own QuantizationArgs parses both sides, so a default it
 fills in (zp_dtype, which 0.20 no longer writes when it is the default) or an alias (actorder static = weight)
@@ -28,6 +39,10 @@ ALLOWED_TOP = {"sparsity_config": ({}, None), "transform_config": ({}, None), "m
 ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic", "actorder",
               "scale_dtype", "zp_dtype")  # observer / observer_kwargs left out: see the table above
 SCHEME_PARTS = ("weights", "input_activations", "output_activations")
+# (model dtype, quantization_config.format) -> {tensor suffix: the dtype quantkit writes}: the second table above
+DTYPES = {("bfloat16", "pack-quantized"): {"weight_scale": "F16"},
+          ("bfloat16", "int-quantized"): {"weight_scale": "F16"},
+          ("bfloat16", "float-quantized"): {"weight_scale": "F32"}}
 
 
 def safetensors_layout(folder: Path) -> dict[str, list]:
@@ -72,9 +87,11 @@ def compare_config(ours: dict, peer: dict) -> list[str]:
             if nothing is None or (ours.get(key) in nothing and peer.get(key) in nothing):
                 continue
         if ours.get(key, "<absent>") != peer.get(key, "<absent>"):
-            out.append(f"quantization_config.{key}: {ours.get(key, '<absent>')!r} (peer: {peer.get(key, '<absent>')!r})")
-    if sorted(ours.get("ignore") or []) != sorted(peer.get("ignore") or []):
-        out.append(f"quantization_config.ignore: {sorted(ours.get('ignore') or [])} (peer: {sorted(peer.get('ignore') or [])})")
+            out.append(f"quantization_config.{key}: {ours.get(key, '<absent>')!r} "
+                       f"(peer: {peer.get(key, '<absent>')!r})")
+    mine, theirs = sorted(ours.get("ignore") or []), sorted(peer.get("ignore") or [])
+    if mine != theirs:
+        out.append(f"quantization_config.ignore: {mine} (peer: {theirs})")
     out += _diff_args("quantization_config.kv_cache_scheme", ours.get("kv_cache_scheme"), peer.get("kv_cache_scheme"))
     mine, theirs = _groups(ours), _groups(peer)
     if set(mine) != set(theirs):
@@ -103,3 +120,12 @@ def compare(artifact_dir, fixture_path) -> list[str]:
     qcfg = json.loads((Path(artifact_dir) / "config.json").read_text()).get("quantization_config") or {}
     return compare_config(qcfg, peer["quantization_config"]) + compare_tensors(
         safetensors_layout(Path(artifact_dir)), peer["tensors"])
+
+
+def documented(fixture_path) -> list[str]:
+    """The differences compare() reports for a quantkit artifact of this fixture's preset that DTYPES documents."""
+    peer = json.loads(Path(fixture_path).read_text())
+    ours = DTYPES.get((peer.get("dtype", "float32"), peer["quantization_config"].get("format")), {})
+    return [f"tensor {k}: {[ours[suffix], shape]} (peer: {[dtype, shape]})"
+            for k, (dtype, shape) in sorted(peer["tensors"].items())
+            if (suffix := k.rpartition(".")[2]) in ours and ours[suffix] != dtype]
