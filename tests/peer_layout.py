@@ -1,9 +1,9 @@
 """Compare an artifact's layout with the one llm-compressor writes for the same preset
-(tests/fixtures/peer_layouts/<family>/<preset>[_gptq].json, recorded by benchmarks/peer_layouts.py).
+(tests/fixtures/peer_layouts/<family>/<preset>[_gptq][_<dtype>].json, recorded by benchmarks/peer_layouts.py).
 
-Layout = every safetensors tensor's name, dtype and shape, and the quantization_config keys a loader reads. Each
-key on which quantkit may differ from the peer is in ALLOWED, with the reason; anything else that differs is
-reported.
+Layout = every safetensors tensor's name, dtype and shape, and the quantization_config keys a loader reads. What
+quantkit may write differently is in the tables below (ALLOWED_TOP, ARG_FIELDS, DTYPES), each with its reason;
+anything else that differs is reported.
 
 | key | allowed difference | why |
 | --- | --- | --- |
@@ -21,8 +21,8 @@ Deliberate differences, asserted exactly (documented() lists them for a fixture;
 | --- | --- | --- | --- | --- | --- |
 | bfloat16 | pack-quantized, int-quantized | weight_scale | BF16 | F16 | quantkit's int scales are fp16-rounded (what |
 | | | | | | GPTQ / Marlin kernels take); bf16 would round them again, off the grid the codes were chosen on |
-| bfloat16 | float-quantized | weight_scale | BF16 | F32 | quantkit keeps FP8 scales in float32, as vLLM's FP8 |
-| | | | | | layers compute with them |
+| bfloat16 | float-quantized | weight_scale | BF16 | F32 | quantkit keeps FP8 scales in float32, the dtype |
+| | | | | | torch._scaled_mm takes them in |
 
 Quantization args are compared after compressed-tensors' own QuantizationArgs parses both sides, so a default it
 fills in (zp_dtype, which 0.20 no longer writes when it is the default) or an alias (actorder static = weight)
