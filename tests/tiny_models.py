@@ -56,7 +56,13 @@ FAMILY_EXTRA = {  # per model_type, on top of the common tiny shape; MoE models 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
 
 
-def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2):
+# The widths of the peer-layout fixtures (tests/fixtures/peer_layouts, benchmarks/peer_layouts.py): every Linear's
+# in_features a multiple of 128, so each preset's group / block divides it (quantkit refuses a group that does not;
+# llm-compressor writes one short group for a layer narrower than it), otherwise the tiny shape above.
+PEER_SHAPES = {"llama": dict(hidden=128), "qwen3_moe": dict(hidden=128, head_dim=32, moe_intermediate_size=128)}
+
+
+def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, **overrides):
     from transformers import AutoConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
@@ -66,7 +72,7 @@ def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2):
                                     num_attention_heads=4, ffn_dim=2 * hidden, word_embed_proj_dim=hidden,
                                     max_position_embeddings=512)
     extra = dict(intermediate_size=2 * hidden, num_key_value_heads=2, tie_word_embeddings=True)
-    extra |= FAMILY_EXTRA[arch]
+    extra |= FAMILY_EXTRA[arch] | overrides
     config = AutoConfig.for_model(arch, **common, **extra)
     config._experts_implementation = "eager"  # the reference loop quantkit's per-expert Linears reproduce exactly
     return config

@@ -140,7 +140,8 @@ def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dty
     kind = "int" if fmt == INT else "float"
     scheme = QuantizationScheme(
         targets=["Linear"],
-        weights=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="channel", observer="minmax"),
+        weights=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="channel", observer="minmax",
+                                 actorder="weight" if info.act_order else None),  # as the W4A16 groups say it
         input_activations=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="token", dynamic=True),
         format=fmt,
     )
