@@ -172,6 +172,13 @@ class Release:
             with VllmEngine(python) as engine:
                 if not engine.has_wna16():
                     raise QuantkitError(f"{field}: vllm: {NO_WNA16}")
+        static = args.activations is not None and not args.activations.dynamic
+        layout = "block" if getattr(args, "block", None) else "static" if static else None
+        if layout:
+            with VllmEngine(python) as engine:
+                refused = engine.fp8_refusal(layout)
+                if refused:
+                    raise QuantkitError(f"{field}: vllm: {refused}")
 
     def sign(self) -> list[str]:
         """Last: a signature covers the card too. Unsigned, a signature left by an earlier release no longer

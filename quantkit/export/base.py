@@ -26,6 +26,7 @@ class QuantInfo:
     per_tensor: bool = False  # FP8 weights: one scale per weight
     act_strategy: str = "token"  # token | group (act_group columns per scale), both at run time | tensor (static)
     act_group: int | None = None
+    act_observer: str = "minmax"  # how static input scales were chosen (algorithms/observers.py)
 
     @property
     def scheme(self) -> Scheme:

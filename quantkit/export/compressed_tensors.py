@@ -32,6 +32,8 @@ PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
 MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
+# the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
+STATIC_OBSERVERS = {"minmax": "static_minmax", "mse": "mse", "percentile": "percentile"}
 
 
 def encode_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -171,7 +173,7 @@ def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dty
                                  block_structure=list(info.block) if info.block else None),
         input_activations=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy=info.act_strategy,
                                            group_size=info.act_group, dynamic=not static,
-                                           **({"observer": "static_minmax"} if static else {})),
+                                           **({"observer": STATIC_OBSERVERS[info.act_observer]} if static else {})),
         format=fmt,
     )
     config = QuantizationConfig(

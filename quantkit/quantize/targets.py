@@ -81,5 +81,6 @@ def plan(
         per_tensor=args.per_tensor,
         act_strategy="token" if act is None else act.strategy,
         act_group=None if act is None else act.group_size,
+        act_observer="minmax" if act is None else act.observer,
     )
     return prefix, targets, info
