@@ -228,3 +228,21 @@ def test_a_killed_static_run_resumes_with_its_input_scales(tmp_path):
     assert got == safetensors_bytes(tmp_path / "whole" / "compressed-tensors")
     assert any(k.endswith("layers.0.self_attn.q_proj.input_scale")
                for k in load_file(tmp_path / "out" / "compressed-tensors" / "model.safetensors"))
+
+
+@pytest.mark.slow  # torchrun with 2 processes, and one more (~60 s on 2 busy cores)
+@pytest.mark.parametrize("observer", ["minmax", "percentile"])
+def test_two_ranks_write_the_one_process_static_artifact(tmp_path, observer):
+    """The ranks' max |x| (reduced by max) and |x| histograms (by sum) are the one process's: same bytes."""
+    from test_distributed import quantkit
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    stage = "rtn: {scheme: FP8, activations: {observer: %s}}" % observer
+    for nproc in (1, 2):
+        recipe = write_recipe(tmp_path / f"{nproc}.yaml", model, tmp_path / f"p{nproc}", stage, ("compressed-tensors",))
+        run = quantkit("quantize", recipe, "--nproc", nproc)
+        assert run.returncode == 0, run.stderr
+    one, two = tmp_path / "p1" / "compressed-tensors", tmp_path / "p2" / "compressed-tensors"
+    for f in ("model.safetensors", "config.json"):
+        assert (one / f).read_bytes() == (two / f).read_bytes(), f
