@@ -433,7 +433,8 @@ KERNELS_WORKER = """\
         op = json.loads(line)["op"]
         if op != "kernels":
             open({seen!r}, "a").write(op + "\\n")
-        print(json.dumps({{"ok": True, "device": "cpu", "wna16": False, "amx": False, "int8_exact": False}}), flush=True)
+        reply = {{"ok": True, "device": "cpu", "wna16": False, "amx": False, "int8_exact": False}}
+        print(json.dumps(reply), flush=True)
 """
 
 

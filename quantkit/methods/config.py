@@ -60,6 +60,9 @@ class Activations(OmitDefaults):
         return "int8" if self.type == "int" else "fp8"
 
 
+Positive = Annotated[int, Field(ge=1)]
+
+
 class WeightQuant(OmitDefaults):
     _omit = ("scheme", "block", "per_tensor")
     # a compressed-tensors preset name (methods/presets.py); keys written beside it override the preset's
@@ -71,7 +74,7 @@ class WeightQuant(OmitDefaults):
     # how each group's scale (and zero) is chosen: its min and max, or the clip of least |w - q|^2.4 (grid.mse_params)
     observer: Literal["minmax", "mse"] = "minmax"
     activations: Activations | None = None  # None: weight-only
-    block: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] | None = None  # FP8 weights: one scale per [rows, cols] block (FP8_BLOCK)
+    block: tuple[Positive, Positive] | None = None  # FP8 weights: one scale per [rows, cols] block (FP8_BLOCK)
     per_tensor: bool = False  # FP8 weights: one scale for the whole weight (the FP8 preset)
     # Module names (or suffixes / regexes with 're:') left in float. Only Linear layers inside
     # decoder blocks are quantized at all, so lm_head and embeddings stay float regardless.
