@@ -119,8 +119,6 @@ def test_transform_stages_then_one_weight_stage():
     ([{"rtn": {"block": [64, 64]}}], None, "stages.0.rtn.block: FP8 weights only (type: float)"),
     ([{"rtn": {"scheme": "FP8_BLOCK", "block": [0, 64]}}], None,
      "stages.0.rtn.block.0: Input should be greater than or equal to 1 (got 0)"),
-    ([{"gptq": {"scheme": "FP8_BLOCK"}}], None,
-     "stages.0.gptq.type: float (FP8) weights are rounded to nearest; use rtn with type: float"),
     ([{"rtn": {"scheme": "NVFP5"}}], None,
      "stages.0.rtn.scheme: unknown preset 'NVFP5' (known: W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8, "
      "FP8_BLOCK) (got 'NVFP5')"),
@@ -130,7 +128,13 @@ def test_transform_stages_then_one_weight_stage():
     ([{"rtn": dict(W8A8, type="float")}], None,
      "stages.0.rtn.activations.type: int activations need int weights (type: int), got type: float"),
     ([{"gptq": dict(W8A8, type="float", activations={"type": "float"})}], None,
-     "stages.0.gptq.type: float (FP8) weights are rounded to nearest; use rtn with type: float"),
+     "stages.0.gptq.type: float (FP8) weights are solved on blocks only (block: [rows, cols], FP8_BLOCK); "
+     "per-channel or per-tensor FP8 is rounded to nearest: use rtn with type: float"),
+    ([{"gptq": {"scheme": "FP8_BLOCK", "act_order": True}}], None,
+     "stages.0.gptq.act_order: FP8 block weights are solved in column order; act_order: false"),
+    ([{"gptq": {"scheme": "FP8_BLOCK", "activations": {"strategy": "tensor", "dynamic": False, "group_size": None}}}],
+     None, "stages.0.gptq.activations.dynamic: static input scales are calibrated after rounding to nearest; use rtn "
+           "(or dynamic inputs)"),
     ([{"rtn": {"bits": 4, "group_size": -1, "type": "float"}}], None,
      "stages.0.rtn.bits: float (FP8) weights need bits: 8 (FP8 e4m3 is 8 bits)"),
     ([{"rtn": {"bits": 8, "group_size": 64, "type": "float"}}], None,

@@ -100,8 +100,15 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
     """What FP8 weights and quantized activations need of the weight stage's other arguments (path: its field)."""
     act = args.activations
     if args.type == "float":
-        if not rounds_float:
-            raise error("{path}.type: float (FP8) weights are rounded to nearest; use rtn with type: float", path=path)
+        if not rounds_float and args.block is None:  # GPTQ solves on FP8 blocks (its scales fixed before)
+            raise error("{path}.type: float (FP8) weights are solved on blocks only (block: [rows, cols], FP8_BLOCK); "
+                        "per-channel or per-tensor FP8 is rounded to nearest: use rtn with type: float", path=path)
+        if not rounds_float and getattr(args, "act_order", False):
+            raise error("{path}.act_order: FP8 block weights are solved in column order; act_order: false",
+                        path=path)
+        if not rounds_float and act is not None and not act.dynamic:
+            raise error("{path}.activations.dynamic: static input scales are calibrated after rounding to nearest; "
+                        "use rtn (or dynamic inputs)", path=path)
         for key, want, why in (("bits", 8, "FP8 e4m3 is 8 bits"), ("group_size", -1, "one scale per output "
                                "channel, tensor or block"), ("sym", True, "FP8 is symmetric")):
             if getattr(args, key) != want:
