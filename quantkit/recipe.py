@@ -23,6 +23,7 @@ from .methods import METHODS, Method
 from .methods.awq import AWQ  # noqa: F401  (the stage configs, importable from the recipe as before)
 from .methods.config import Activations, WeightQuant  # noqa: F401
 from .methods.config import Strict as _Strict
+from .methods.config import check_weight_args
 from .methods.config import error as _error
 from .methods.gptq import GPTQ  # noqa: F401
 from .methods.rtn import RTN  # noqa: F401
@@ -93,6 +94,12 @@ class _StageBase(_Strict):
     @property
     def method(self) -> Method:
         return METHODS[self.name]
+
+    @property
+    def calibrated(self) -> bool:
+        """Reads calibration data: its method does, or it calibrates static input scales (the FP8 preset)."""
+        act = getattr(self.args, "activations", None)
+        return self.method.calibrated or (act is not None and not act.dynamic)
 
     @property
     def weights(self) -> WeightQuant:
@@ -217,7 +224,7 @@ class Recipe(_Strict):
     def _consistent(self) -> "Recipe":
         self._check_order()
         for stage in self.stages:
-            if stage.method.calibrated and self.calibration is None:
+            if stage.calibrated and self.calibration is None:
                 raise _error("calibration: required by the {stage} stage", stage=stage.name)
         self._check_weights()
         self._check_release()
@@ -266,32 +273,13 @@ class Recipe(_Strict):
         stage = self.stage
         args, path = stage.weights, f"stages.{len(self.stages) - 1}.{stage.name}"
         act = args.activations
-        if args.type == "float":
-            if not stage.method.rounds_float:
-                raise _error("{path}.type: float (FP8) weights are rounded to nearest; use rtn with type: float",
-                             path=path)
-            for key, want, why in (("bits", 8, "FP8 e4m3 is 8 bits"), ("group_size", -1, "one scale per output "
-                                   "channel"), ("sym", True, "FP8 is symmetric")):
-                if getattr(args, key) != want:
-                    raise _error("{path}.{key}: float (FP8) weights need {key}: {want} ({why})",
-                                 path=path, key=key, want=str(want).lower(), why=why)
-            if act is None:
-                raise _error("{path}.activations: float (FP8) weights are written as W8A8 only; add "
-                             "activations: {type: float}", path=path)
+        check_weight_args(args, path, stage.method.rounds_float)
         if act is not None:
-            for key, want, why in (("bits", 8, "8-bit weights"), ("group_size", -1, "one scale per output channel"),
-                                   ("sym", True, "symmetric weights, the only ones vLLM runs")):
-                if getattr(args, key) != want:
-                    raise _error("{path}.{key}: W8A8 (activations) needs {why}: {key}: {want}",
-                                 path=path, key=key, want=str(want).lower(), why=why)
-            if act.type != args.type:
-                raise _error("{path}.activations.type: {act} activations need {act} weights (type: {act}), got "
-                             "type: {w}", path=path, act=act.type, w=args.type)
             for fmt in formats.names():
                 if fmt in self.export.formats and formats.get(fmt).weight_only:
                     raise _error("export.formats: {fmt} stores weight-only quantization; W8A8 (activations) is "
                                  "written as compressed-tensors only", fmt=fmt)
-        scheme = scheme_of(GridSpec(args.bits, args.group_size, args.sym), act and act.kind)
+        scheme = scheme_of(GridSpec(args.bits, args.group_size, args.sym), act and act.kind, args.block)
         for fmt in self.export.formats:
             problem = formats.get(fmt).check_scheme(scheme)
             if problem:
@@ -308,7 +296,7 @@ class Recipe(_Strict):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(s.method.calibrated for s in self.stages)
+        return any(s.calibrated for s in self.stages)
 
 
 def parse_size(text: str) -> int:

@@ -167,11 +167,18 @@ class Release:
         from .engines.vllm import NO_WNA16, VllmEngine, interpreter
 
         python = interpreter(None, f"{field}: vllm")
-        args = self.recipe.stage.args
+        args = self.recipe.stage.weights  # awq alone: its grid, as a WeightQuant
         if args.type == "int" and args.activations is None:
             with VllmEngine(python) as engine:
                 if not engine.has_wna16():
                     raise QuantkitError(f"{field}: vllm: {NO_WNA16}")
+        static = args.activations is not None and not args.activations.dynamic
+        layout = "block" if args.block else "static" if static else None
+        if layout:
+            with VllmEngine(python) as engine:
+                refused = engine.fp8_refusal(layout)
+                if refused:
+                    raise QuantkitError(f"{field}: vllm: {refused}")
 
     def sign(self) -> list[str]:
         """Last: a signature covers the card too. Unsigned, a signature left by an earlier release no longer

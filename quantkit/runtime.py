@@ -121,7 +121,7 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
         )
     model.tie_weights()
     if w8a8:
-        swap_w8a8_linears(model, qweights)
+        swap_w8a8_linears(model, qweights, formats.get(fmt).input_group(qcfg))
     elif kept:
         swap_w4a16_linears(model, kept, int4_device, backend)
     model.eval()

@@ -22,7 +22,8 @@ import pytest
 from conftest import write_recipe
 from tiny_models import SERVABLE_EXTRA, make_servable_model
 
-from quantkit.engines.vllm import INT8_INEXACT, MOE_W4A8, NO_WNA16, W4A8, VllmEngine, weight_only_int
+from quantkit.engines.vllm import (INT8_INEXACT, MOE_W4A8, NO_FP8_BLOCK, NO_FP8_STATIC, NO_WNA16, W4A8, VllmEngine,
+                                   fp8_layout, weight_only_int)
 from quantkit.evaluation.report import markdown as eval_markdown
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.runner import EvalOptions, evaluate
@@ -47,7 +48,12 @@ FORMATS = {  # name -> (stage, format)
     "awq": ("awq: {bits: 4, group_size: 64, zero_point: true}", "awq"),
     "fp8": ("rtn: {bits: 8, group_size: -1, sym: true, type: float, activations: {type: float}}",
             "compressed-tensors"),
+    "fp8-block": ("rtn: {scheme: FP8_BLOCK}", "compressed-tensors"),
+    "fp8-static": ("rtn: {scheme: FP8}", "compressed-tensors"),
 }
+FP8_REFUSED = {"fp8-block": "block", "fp8-static": "static"}  # fp8_layout of each
+# the tiny test model's widths (64, kv 32) are no multiples of 128: its blocks and input groups are 32 wide
+TINY_FP8_BLOCK = "rtn: {scheme: FP8_BLOCK, block: [32, 32], activations: {group_size: 32}}"
 # what vLLM 0.32's CPU build refuses, in its own words: its gptq path on CPU is symmetric only
 REFUSED = {name: "Value error, Unsupported quantization config: bits=4, sym=False"
            for name in ("gptq-asym", "gptq-asym-act-order")}
@@ -129,6 +135,13 @@ def test_vllm_serves_every_format_like_quantkit(name, llama, engine, tmp_path):
     artifact = quantize(llama, tmp_path / name, stage, fmt)
     if refused_for_its_kernel(artifact, engine, tmp_path / "cache"):
         return
+    refused = engine.fp8_refusal(FP8_REFUSED.get(name))
+    if refused:  # on this CPU: one line naming the missing kernel, before vLLM loads anything
+        assert refused == (NO_FP8_BLOCK if name == "fp8-block" else NO_FP8_STATIC)
+        with pytest.raises(QuantkitError) as err:
+            against_quantkit(artifact, engine, tmp_path / "cache")
+        assert str(err.value) == f"vllm: cannot serve {artifact}: {refused}"
+        return
     if name in REFUSED:
         with pytest.raises(QuantkitError) as err:
             against_quantkit(artifact, engine, tmp_path / "cache")
@@ -137,7 +150,7 @@ def test_vllm_serves_every_format_like_quantkit(name, llama, engine, tmp_path):
     body = against_quantkit(artifact, engine, tmp_path / "cache")
     inexact = name == "w8a8-int8" and engine.kernels().get("int8_exact") is False
     # where vLLM's int8 GEMM saturates (an AVX2 EPYC): KLD 2.5e-3 and same top 0.78
-    check_agreement(body, generation=name not in ("w8a8-int8", "fp8"), **(dict(kld=1e-2, same_top=0.7) if inexact
+    check_agreement(body, generation=name not in ("w8a8-int8", "fp8", *FP8_REFUSED), **(dict(kld=1e-2, same_top=0.7) if inexact
                                                                           else {}))
     assert body["engine"].get("warning") == (INT8_INEXACT if inexact else None)
     assert (f"**Warning** ({artifact.parent.name}/{artifact.name}): {INT8_INEXACT}." in eval_markdown([body])) == inexact
@@ -405,6 +418,39 @@ def test_which_artifacts_need_the_weight_only_kernel(tiny_factory, tmp_path):
     model = tiny_factory("llama")
     needs = {}
     for name, (stage, fmt) in FORMATS.items():
+        stage = TINY_FP8_BLOCK if name == "fp8-block" else stage
         config = json.loads((quantize(model, tmp_path / name, stage, fmt) / "config.json").read_text())
-        needs[name] = (weight_only_int(config), int8_activations(config))
-    assert needs == {name: (name not in ("w8a8-int8", "fp8"), name == "w8a8-int8") for name in FORMATS}
+        needs[name] = (weight_only_int(config), int8_activations(config), fp8_layout(config))
+    w8a8 = ("w8a8-int8", "fp8", *FP8_REFUSED)
+    assert needs == {name: (name not in w8a8, name == "w8a8-int8", FP8_REFUSED.get(name)) for name in FORMATS}
+
+
+KERNELS_WORKER = """\
+    #!{python}
+    # stands in for vLLM's interpreter on an AVX2 CPU: answers `kernels`, and records any other request
+    import json, sys
+    for line in sys.stdin:
+        op = json.loads(line)["op"]
+        if op != "kernels":
+            open({seen!r}, "a").write(op + "\\n")
+        reply = {{"ok": True, "device": "cpu", "wna16": False, "amx": False, "int8_exact": False}}
+        print(json.dumps(reply), flush=True)
+"""
+
+
+def test_fp8_block_and_static_are_refused_on_an_avx2_cpu_before_vllm_loads(tiny_factory, tmp_path):
+    """vLLM's CPU build has no kernel for FP8 block weights without AMX, and its static FP8 input quant is a stub:
+    the engine refuses each in one line after asking the worker's kernels, and never asks the worker to load."""
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(KERNELS_WORKER.format(python=sys.executable, seen=str(tmp_path / "seen"))))
+    fake.chmod(0o755)
+    model = tiny_factory("llama")
+    stages = {"fp8-block": TINY_FP8_BLOCK, "fp8-static": FORMATS["fp8-static"][0]}
+    with VllmEngine(str(fake)) as engine:
+        for name, stage in stages.items():
+            artifact = quantize(model, tmp_path / name, stage, "compressed-tensors")
+            with pytest.raises(QuantkitError) as err:
+                engine.load(str(artifact), "bfloat16", 128)
+            why = NO_FP8_BLOCK if name == "fp8-block" else NO_FP8_STATIC
+            assert str(err.value) == f"vllm: cannot serve {artifact}: {why}"
+    assert not (tmp_path / "seen").exists()

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .fp8 import FP8_DTYPE, FP8_MAX, Fp8BlockWeight, fp8_block_quantize
 from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
 
 
@@ -170,10 +171,14 @@ class GPTQ:
         act_order: bool = False,
         warn: Callable[[str], None] = lambda msg: None,
         observer: str = "minmax",
+        fp8_block: tuple[int, int] | None = None,
     ):
-        """hessian: a matrix (copied), or a Hessian, whose sum is consumed: the solver then owns the only copy."""
+        """hessian: a matrix (copied), or a Hessian, whose sum is consumed: the solver then owns the only copy.
+        fp8_block: round to FP8 e4m3 instead of spec's grid, one scale per [rows, cols] block, each block's scale
+        fixed from the weight before the solve (as llm-compressor's GPTQ takes its observer's block scales)."""
         h = hessian.take() if isinstance(hessian, Hessian) else hessian.float().clone()
         self.spec, self.block_size, self.find_params = spec, block_size, OBSERVERS[observer]
+        self.fp8_block = fp8_block
         self.dead = torch.diag(h) == 0  # inputs that never fired: their weights cannot matter
         h[self.dead, self.dead] = 1
         cols = h.shape[0]
@@ -201,6 +206,12 @@ class GPTQ:
         out, start = [], 0
         for w in weights:
             rows = slice(start, start + w.shape[0])
+            if isinstance(qw, Fp8BlockWeight):  # each weight's rows are whole blocks (plan() checks they tile)
+                r = self.fp8_block[0]
+                out.append((Fp8BlockWeight(qw.weight[rows].clone(), qw.scale[start // r:rows.stop // r].clone(),
+                                           qw.block), float(losses[rows].sum())))
+                start += w.shape[0]
+                continue
             # each weight's codes in a buffer of their own, as one weight's are: freed, or parked, on their own
             codes = qw.codes[rows] if len(weights) == 1 else qw.codes[rows].clone()
             out.append((QuantizedWeight(codes=codes, scale=qw.scale[rows], zero=qw.zero[rows], spec=qw.spec),
@@ -230,6 +241,8 @@ class GPTQ:
         spec, hinv, perm = self.spec, self.hinv, self.perm
         wt = self._stacked_transpose(weights, release)
         wt[self.dead if perm is None else self.dead[perm]] = 0
+        if self.fp8_block is not None:
+            return self._quantize_fp8(wt)
         cols, rows = wt.shape
         span = spec.span(cols)
         # in the original column order (act-order's column i1 + i is column perm[i1 + i]): no reordered copy beside it
@@ -270,6 +283,28 @@ class GPTQ:
             spec=spec,
         )
         return qw, losses
+
+
+    def _quantize_fp8(self, wt: torch.Tensor) -> tuple[Fp8BlockWeight, torch.Tensor]:
+        """GPTQ's column loop on the FP8 grid of fixed block scales (wt: [cols, rows], no act-order)."""
+        hinv, (br, bc) = self.hinv, self.fp8_block
+        cols, rows = wt.shape
+        scale = fp8_block_quantize(wt.T, (br, bc)).scale.to(wt.device)  # [rows / br, cols / bc], from the weight
+        col_scale = scale.repeat_interleave(br, 0).T.contiguous()  # [cols / bc, rows]: a column's scale per row
+        q8 = torch.empty(cols, rows, dtype=FP8_DTYPE, device=wt.device)
+        losses = torch.zeros(rows, device=wt.device)
+        for i1 in range(0, cols, self.block_size):
+            i2 = min(i1 + self.block_size, cols)
+            w1, h1 = wt[i1:i2].clone(), hinv[i1:i2, i1:i2]
+            err1 = torch.empty_like(w1)
+            for i in range(i2 - i1):
+                s = col_scale[(i1 + i) // bc]
+                q8[i1 + i] = (w1[i] / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+                err1[i] = (w1[i] - q8[i1 + i].float() * s) / h1[i, i]
+                w1[i + 1:].addr_(h1[i, i + 1:], err1[i], alpha=-1)
+            losses += err1.square().sum(0)
+            wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)
+        return Fp8BlockWeight(q8.T.contiguous().cpu(), scale.cpu(), (br, bc)), losses / 2
 
 
 @contextmanager

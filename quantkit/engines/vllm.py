@@ -88,6 +88,27 @@ W4A8 = ("VLLM_CPU_INT4_W4A8 is set: vLLM runs this W4A16 artifact in bfloat16 on
         "quantized to int8 per token; these measurements are of that, not of the artifact as written")
 
 
+# vLLM's CPU build runs FP8 W8A8 per channel with dynamic per-token inputs only: its block-scaled FP8 GEMM
+# (FP8_BLOCK) has no CPU kernel but the AMX one, and its static per-tensor FP8 input quant op is a stub on CPU
+NO_FP8_BLOCK = ("vLLM's CPU build has no kernel for FP8 block weights (FP8_BLOCK) on this CPU: its block-scaled FP8 "
+                "GEMM needs AMX, and this CPU has none")
+NO_FP8_STATIC = ("vLLM's CPU build cannot run static FP8 input scales (the FP8 preset): its per-tensor static FP8 "
+                 "quant op is not implemented on CPU")
+
+
+def fp8_layout(config: dict) -> str | None:
+    """'block' or 'static' where config.json's quantized Linears are FP8 with block weights or static input scales
+    (the layouts vLLM's CPU build lacks kernels for), else None."""
+    groups = (config.get("quantization_config") or {}).get("config_groups", {})
+    for g in (g for g in groups.values() if isinstance(g, dict)):
+        w, a = g.get("weights") or {}, g.get("input_activations") or {}
+        if w.get("type") == "float" and w.get("strategy") == "block":
+            return "block"
+        if a.get("type") == "float" and a.get("dynamic") is False:
+            return "static"
+    return None
+
+
 def moe(config: dict) -> bool:
     """Whether config.json describes a mixture-of-experts model (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek)."""
     return any((config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -135,6 +156,9 @@ class VllmEngine:
         config = json.loads(path.read_text()) if path.is_file() else {}
         if weight_only_int(config) and not self.has_wna16():
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_WNA16}")
+        refused = self.fp8_refusal(fp8_layout(config))
+        if refused:
+            raise QuantkitError(f"vllm: cannot serve {model}: {refused}")
         self.info = self._call({"op": "load", "model": str(Path(model).resolve()), "dtype": dtype,
                                 "max_model_len": max_model_len, "max_logprobs": max_logprobs,
                                 "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
@@ -152,6 +176,14 @@ class VllmEngine:
         if not self._kernels:
             self._kernels = {k: v for k, v in self._call({"op": "kernels"}, "kernels").items() if k != "ok"}
         return self._kernels
+
+    def fp8_refusal(self, layout: str | None) -> str | None:
+        """Why this machine's vLLM build cannot run an FP8 layout (fp8_layout), or None (always None off the CPU)."""
+        if layout is None or self.kernels()["device"] != "cpu":
+            return None
+        if layout == "block":
+            return None if self.kernels().get("amx") else NO_FP8_BLOCK
+        return NO_FP8_STATIC
 
     def has_wna16(self) -> bool:
         """Whether this machine's vLLM build can serve weight-only integer formats (always, off the CPU)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..algorithms.fp8 import Fp8Weight
+from ..algorithms.fp8 import Fp8BlockWeight, Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
 from ..algorithms.scheme import ActivationScheme, Scheme
 
@@ -22,10 +22,15 @@ class QuantInfo:
     unquantized_linears: list[str] = field(default_factory=list)  # full names of Linear layers left float
     block_linears_prefix: str = "model.layers"  # where the decoder blocks live
     activations: str | None = None  # None: weight-only; int8 | fp8: W8A8, activations quantized per token at run time
+    block: tuple[int, int] | None = None  # FP8 weights: one scale per [rows, cols] block
+    per_tensor: bool = False  # FP8 weights: one scale per weight
+    act_strategy: str = "token"  # token | group (act_group columns per scale), both at run time | tensor (static)
+    act_group: int | None = None
+    act_observer: str = "minmax"  # how static input scales were chosen (algorithms/observers.py)
 
     @property
     def scheme(self) -> Scheme:
-        return scheme_of(self.spec, self.activations)
+        return scheme_of(self.spec, self.activations, self.block, self.act_strategy, self.act_group)
 
 
 @dataclass
@@ -35,13 +40,15 @@ class Encoded:
     extra_files: dict[str, dict] = field(default_factory=dict)  # file name -> JSON body
 
 
-def scheme_of(spec: GridSpec, activations: str | None) -> Scheme:
+def scheme_of(spec: GridSpec, activations: str | None, block: tuple[int, int] | None = None,
+              act_strategy: str = "token", act_group: int | None = None) -> Scheme:
     """The Scheme of a recipe's weight stage: its int grid, or FP8 weights with FP8 activations (W8A8 fp8)."""
     if activations is None:
         return Scheme("int", spec.bits, spec.group_size, spec.sym)
     kind = "float" if activations == "fp8" else "int"
+    act = ActivationScheme(kind, dynamic=act_strategy != "tensor", strategy=act_strategy, group_size=act_group)
     return Scheme(kind, spec.bits, spec.group_size, spec.sym, torch.float32 if kind == "float" else torch.float16,
-                  activations=ActivationScheme(kind))
+                  block=block, activations=act)
 
 
 def split_by_module(tensors: dict[str, torch.Tensor], marker: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -62,5 +69,5 @@ def trivial_g_idx(g_idx: torch.Tensor | None, span: int) -> torch.Tensor | None:
     return g_idx.long()
 
 
-__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "GridSpec", "Scheme", "scheme_of", "split_by_module",
-           "trivial_g_idx"]
+__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "Fp8BlockWeight", "GridSpec", "Scheme", "scheme_of",
+           "split_by_module", "trivial_g_idx"]

@@ -7,8 +7,11 @@
   <m>.weight_shape       int64 [2]
 `int-quantized` (W8A8 int8) and `float-quantized` (W8A8 FP8 e4m3), per quantized Linear `<m>`:
   <m>.weight        int8 (signed code) | float8_e4m3fn  [out, in]
-  <m>.weight_scale  [out, 1]  (FP8: float32)
-  Activations are quantized per token at run time (dynamic), so no input scale is stored.
+  <m>.weight_scale  [out, 1]  (FP8: float32; [1] per tensor, the FP8 preset; [out/rows, in/cols] per block, FP8_BLOCK,
+                    the config's weights.block_structure = [rows, cols])
+  <m>.input_scale   float32 [1]  FP8 static inputs only (the FP8 preset: input_activations dynamic false, tensor)
+  Other inputs are quantized at run time (dynamic) per token, or per group of input_activations.group_size columns
+  (FP8_BLOCK), so no input scale is stored.
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
 
@@ -21,7 +24,7 @@ from ..algorithms.grid import INT8_CHANNEL
 from ..errors import QuantkitError
 from ..algorithms.scheme import QuantizedTensor
 from . import packing
-from .base import Encoded, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
+from .base import Encoded, Fp8BlockWeight, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
 from .layout import FLOATS, I32, I64, Layout, Part, packed
 from .registry import Format, register
 
@@ -29,6 +32,8 @@ PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
 MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
+# the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
+STATIC_OBSERVERS = {"minmax": "static_minmax", "mse": "mse", "percentile": "percentile"}
 
 
 def encode_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -63,8 +68,15 @@ def encode_int_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str
     }
 
 
-def encode_float_module(fw: Fp8Weight) -> dict[str, torch.Tensor]:
-    return {"weight": fw.weight.contiguous(), "weight_scale": fw.scale.float().reshape(-1, 1).contiguous()}
+def encode_float_module(fw: Fp8Weight | Fp8BlockWeight) -> dict[str, torch.Tensor]:
+    if isinstance(fw, Fp8BlockWeight):
+        scale = fw.scale
+    else:  # per tensor: [1], as compressed-tensors stores a tensor strategy's scale
+        scale = fw.scale.reshape(-1) if fw.per_tensor else fw.scale.reshape(-1, 1)
+    t = {"weight": fw.weight.contiguous(), "weight_scale": scale.float().contiguous()}
+    if getattr(fw, "input_scale", None) is not None:
+        t["input_scale"] = fw.input_scale.float().reshape(1).contiguous()
+    return t
 
 
 def _channel_scale(t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -89,10 +101,25 @@ def decode_int_module(t: dict[str, torch.Tensor]) -> QuantizedWeight:
     )
 
 
-def decode_float_module(t: dict[str, torch.Tensor]) -> Fp8Weight:
-    if t["weight"].dtype != torch.float8_e4m3fn:
-        raise QuantkitError(f"weight: float-quantized weights are float8_e4m3fn, got {t['weight'].dtype}")
-    return Fp8Weight(t["weight"], _channel_scale(t).float())
+def block_of(qcfg: dict) -> tuple[int, int] | None:
+    """weights.block_structure of a block-strategy config (quantkit writes one config group)."""
+    groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
+    weights = (groups[0].get("weights") or {}) if groups else {}
+    return tuple(int(x) for x in weights["block_structure"]) if weights.get("strategy") == "block" else None
+
+
+def decode_float_module(t: dict[str, torch.Tensor], block: tuple[int, int] | None = None) -> QuantizedTensor:
+    q = t["weight"]
+    if q.dtype != torch.float8_e4m3fn:
+        raise QuantkitError(f"weight: float-quantized weights are float8_e4m3fn, got {q.dtype}")
+    if block is not None:
+        want = [-(-q.shape[0] // block[0]), -(-q.shape[1] // block[1])]
+        if list(t["weight_scale"].shape) != want:
+            raise QuantkitError(f"weight_scale: {list(t['weight_scale'].shape)} is not one scale per {list(block)} "
+                                f"block of {list(q.shape)} ({want})")
+        return Fp8BlockWeight(q, t["weight_scale"].float(), block)
+    input_scale = t.get("input_scale")
+    return Fp8Weight(q, _channel_scale(t).float(), None if input_scale is None else input_scale.float().reshape(1))
 
 
 def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
@@ -100,7 +127,7 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
     if fmt == INT:
         return decode_int_module(t)
     if fmt == FLOAT:
-        return decode_float_module(t)
+        return decode_float_module(t, block_of(qcfg))
     # quantkit (and llm-compressor's W4A16 presets) write a single config group targeting Linear
     w = next(iter(qcfg["config_groups"].values()))["weights"]
     bits, sym = int(w["num_bits"]), bool(w["symmetric"])
@@ -138,11 +165,16 @@ def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dty
         parts = encode_int_module(qw, scale_dtype) if fmt == INT else encode_float_module(qw)
         tensors.update({f"{name}.{suffix}": t for suffix, t in parts.items()})
     kind = "int" if fmt == INT else "float"
+    strategy = "block" if info.block else "tensor" if info.per_tensor else "channel"
+    static = info.act_strategy == "tensor"
     scheme = QuantizationScheme(
         targets=["Linear"],
-        weights=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="channel", observer="minmax",
+        weights=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy=strategy, observer="minmax",
+                                 block_structure=list(info.block) if info.block else None,
                                  actorder="weight" if info.act_order else None),  # as the W4A16 groups say it
-        input_activations=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="token", dynamic=True),
+        input_activations=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy=info.act_strategy,
+                                           group_size=info.act_group, dynamic=not static,
+                                           **({"observer": STATIC_OBSERVERS[info.act_observer]} if static else {})),
         format=fmt,
     )
     config = QuantizationConfig(
@@ -192,8 +224,13 @@ PARTS = {
     },
     INT: {"weight": Part((torch.int8,), lambda d: [[d.out, d.cols]]), "weight_scale": _ROW_SCALE},
     FLOAT: {"weight": Part((torch.float8_e4m3fn,), lambda d: [[d.out, d.cols]]),
-            "weight_scale": Part((torch.float32,), _ROW_SCALE.shapes)},
+            "weight_scale": Part((torch.float32,), _ROW_SCALE.shapes),
+            "input_scale": Part((torch.float32,), lambda d: [[1]], required=False)},
 }
+
+
+def _block_scale(block: tuple[int, int]) -> Part:
+    return Part((torch.float32,), lambda d: [[-(-d.out // block[0]), -(-d.cols // block[1])]])
 
 
 class CompressedTensors(Format):
@@ -219,6 +256,9 @@ class CompressedTensors(Format):
 
     def layout(self, qcfg: dict) -> Layout:
         kind = format_of(qcfg)
+        block = block_of(qcfg) if kind == FLOAT else None
+        if block:
+            return Layout(kind, PARTS[kind] | {"weight_scale": _block_scale(block)}, 8, -1)
         if kind != PACKED:
             return Layout(kind, PARTS[kind], 8, -1)
         w = next(iter(qcfg["config_groups"].values()))["weights"]
@@ -226,6 +266,11 @@ class CompressedTensors(Format):
 
     def activations(self, qcfg: dict) -> str | None:
         return {v: k for k, v in W8A8_FORMATS.items()}.get(format_of(qcfg))
+
+    def input_group(self, qcfg: dict) -> int | None:
+        groups = [g for g in qcfg.get("config_groups", {}).values() if isinstance(g, dict)]
+        act = (groups[0].get("input_activations") or {}) if groups else {}
+        return int(act["group_size"]) if act.get("strategy") == "group" else None
 
     def weight_only_int(self, qcfg: dict) -> bool:
         """Groups of integer weights whose inputs stay unquantized."""

@@ -79,6 +79,10 @@ class Format(ABC):
         """int8 | fp8 when the checkpoint's Linears quantize their inputs (W8A8 layers), else None."""
         return None
 
+    def input_group(self, qcfg: dict) -> int | None:
+        """Columns per scale where the W8A8 Linears quantize their inputs per group of columns, else None."""
+        return None
+
     def weight_only_int(self, qcfg: dict) -> bool:
         """Whether vLLM runs its quantized Linears as weight-only integer (cpu_gemm_wna16 on CPU)."""
         return True

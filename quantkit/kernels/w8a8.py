@@ -5,7 +5,8 @@ The arithmetic vLLM runs for compressed-tensors int-quantized / float-quantized 
         (torch._int_mm on CUDA; on CPU exact float32 GEMMs over K-chunks, see int8_mm), and the int32 sums are rescaled by token scale x channel scale.
   FP8:  a token's scale is max|x| / 448 (floored at 1/(448·512) as vLLM does), e4m3 x e4m3 through
         torch._scaled_mm with those row / column scales on CUDA; elsewhere an emulation that dequantizes both
-        operands to float32 and multiplies them.
+        operands to float32 and multiplies them. A static input scale (the FP8 preset) replaces the token scales;
+        FP8_BLOCK's layer takes a scale per group of columns of each token and per weight block (emulated).
 Each layer records in `path` which matmul its last forward ran.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..algorithms.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, fp8_quantize
+from ..algorithms.fp8 import FP8_DTYPE, FP8_MAX, Fp8BlockWeight, Fp8Weight, fp8_quantize
 from ..algorithms.grid import INT8_CHANNEL, QuantizedWeight
 from ..algorithms.scheme import QuantizedTensor
 from ..algorithms.rtn import rtn_quantize
@@ -39,6 +40,19 @@ def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def quantize_static_fp8(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] on one calibrated scale [1] -> float8_e4m3fn values, that scale as [tokens, 1]."""
+    scale = scale.float().to(x.device).reshape(1, 1)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.expand(x.shape[0], 1).contiguous()
+
+
+def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] -> float8_e4m3fn values, float32 scales [tokens, in / group]: each group of `group` columns of
+    a token quantized like a token of quantize_tokens_fp8."""
+    q, scale = quantize_tokens_fp8(x.reshape(-1, group))
+    return q.reshape(x.shape), scale.reshape(x.shape[0], -1)
+
+
 TOKEN_QUANTIZERS = {"int8": quantize_tokens_int8, "fp8": quantize_tokens_fp8}
 
 
@@ -47,6 +61,19 @@ def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
     what a float Linear holding the dequantized weight must read to compute what the W8A8 layer computes."""
     q, scale = TOKEN_QUANTIZERS[kind](x.reshape(-1, x.shape[-1]))
     return (q.float() * scale).to(x.dtype).reshape(x.shape)
+
+
+def fake_quantize_input(x: torch.Tensor, kind: str, group: int | None = None,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fake_quantize_tokens, per group of `group` columns (FP8_BLOCK) or on a static scale (the FP8 preset)."""
+    if group is None and scale is None:
+        return fake_quantize_tokens(x, kind)
+    flat = x.reshape(-1, x.shape[-1])
+    if scale is not None:
+        q, s = quantize_static_fp8(flat, scale)
+        return (q.float() * s).to(x.dtype).reshape(x.shape)
+    q, s = quantize_groups_fp8(flat, group)
+    return (q.float().reshape(-1, group) * s.reshape(-1, 1)).to(x.dtype).reshape(x.shape)
 
 
 def int8_mm_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -136,17 +163,22 @@ class Int8Linear(nn.Module):
 
 
 class Fp8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 input_scale: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight.to(FP8_DTYPE).contiguous())  # [out, in]
         self.out_features, self.in_features = self.weight.shape  # as nn.Linear: FLOP counts read these
-        self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())  # [1, out]
+        # [1, out] (a per-tensor scale repeated: the row-wise GEMM and the emulation take it so)
+        self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).expand(1, self.out_features)
+                             .contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # [1]: static input scale (the FP8 preset); None: per token at run time
+        self.input_scale = None if input_scale is None else input_scale.float().reshape(1)
         self.path: str | None = None
 
     @classmethod
     def from_weights(cls, fw: Fp8Weight, bias: torch.Tensor | None = None) -> Fp8Linear:
-        return cls(fw.weight, fw.scale, bias)
+        return cls(fw.weight, fw.scale, bias, fw.input_scale)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -154,7 +186,11 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        q, token_scale = quantize_tokens_fp8(x.reshape(-1, x.shape[-1]))
+        flat = x.reshape(-1, x.shape[-1])
+        if self.input_scale is None:
+            q, token_scale = quantize_tokens_fp8(flat)
+        else:
+            q, token_scale = quantize_static_fp8(flat, self.input_scale)
         if _scaled_mm_takes(q, self.weight, x.dtype):
             out = torch._scaled_mm(
                 q, self.weight.t(), scale_a=token_scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16
@@ -168,18 +204,51 @@ class Fp8Linear(nn.Module):
         return out.to(x.dtype).reshape(*lead, -1)
 
 
+class Fp8BlockLinear(nn.Module):
+    """FP8_BLOCK: FP8 weights with a scale per block, inputs quantized per group of `group` columns of each token
+    (vLLM's per-token-group quant); emulated in float32 (the block-scaled GEMM is a GPU kernel)."""
+
+    def __init__(self, fw: Fp8BlockWeight, group: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", fw.weight.contiguous())
+        self.register_buffer("weight_scale", fw.scale.float().contiguous())
+        self.block, self.group = fw.block, group
+        self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.path: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, scale = quantize_groups_fp8(x.reshape(-1, x.shape[-1]), self.group)
+        xs = (q.float().reshape(q.shape[0], -1, self.group) * scale[..., None]).reshape(q.shape)
+        w = Fp8BlockWeight(self.weight, self.weight_scale, self.block).dequantize()
+        out = xs @ w.t()
+        self.path = "emulated"
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*lead, -1)
+
+
 LAYERS = {"int": Int8Linear, "float": Fp8Linear}  # a W8A8 weight's scheme kind -> the layer that runs it
 
 
-def swap_w8a8_linears(model: nn.Module, qweights: dict[str, QuantizedTensor]) -> None:
+def w8a8_layer(qw: QuantizedTensor, bias: torch.Tensor | None, group: int | None) -> nn.Module:
+    if isinstance(qw, Fp8BlockWeight):
+        if group is None:
+            raise QuantkitError("input_activations: FP8 block weights are run with inputs per group of columns")
+        return Fp8BlockLinear(qw, group, bias)
+    return LAYERS[qw.scheme.kind].from_weights(qw, bias)
+
+
+def swap_w8a8_linears(model: nn.Module, qweights: dict[str, QuantizedTensor], group: int | None = None) -> None:
     """Replace each named nn.Linear by the W8A8 layer for its quantized weight (int8 codes or FP8), in place;
-    the bias and the device are kept."""
+    the bias and the device are kept. group: columns per input scale (FP8_BLOCK), None: per token."""
     for name, qw in qweights.items():
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise QuantkitError(f"{name}: not an nn.Linear ({type(linear).__name__})")
         if tuple(qw.shape) != tuple(linear.weight.shape):
             raise QuantkitError(f"{name}: quantized weight {tuple(qw.shape)} does not fit {tuple(linear.weight.shape)}")
-        layer = LAYERS[qw.scheme.kind].from_weights(qw, linear.bias).to(linear.weight.device)
+        layer = w8a8_layer(qw, linear.bias, group).to(linear.weight.device)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, layer)

@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from ..algorithms.fp8 import fp8_quantize
+from ..algorithms.fp8 import fp8_block_quantize, fp8_quantize
 from ..algorithms.grid import STEP, GridSpec, row_steps
 from ..algorithms.rtn import rtn_quantize
 from ..algorithms.scheme import QuantizedTensor
@@ -62,8 +62,10 @@ class Method:
 
 def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedTensor, float]:
     """Round-to-nearest (FP8 for type: float) swapped into the Linear; the loss is the weight's mean squared error."""
-    if args.type == "float":
-        qw = fp8_quantize(module.weight.data)
+    if args.type == "float" and args.block is not None:
+        qw = fp8_block_quantize(module.weight.data, args.block)
+    elif args.type == "float":
+        qw = fp8_quantize(module.weight.data, args.per_tensor)
     else:
         qw = rtn_quantize(module.weight.data, spec, args.observer)
     deq = qw.dequantize(module.weight.dtype).to(module.weight.device)

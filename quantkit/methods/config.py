@@ -3,10 +3,12 @@ quantization arguments RTN and GPTQ share."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
+
+from . import presets
 
 
 class Strict(BaseModel):
@@ -26,20 +28,45 @@ class Strict(BaseModel):
         return data
 
 
-class Activations(Strict):
-    """W8A8: inputs of the quantized Linears quantized per token at run time (vLLM's dynamic schemes)."""
+class OmitDefaults(Strict):
+    """Keys added after recipes were first recorded are left out of a dump while at their default, so quantkit.json
+    (and the resume fingerprint) of a recipe that does not use them stays byte for byte what it was."""
 
+    _omit: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        data = handler(self)
+        return {k: v for k, v in data.items()
+                if k not in self._omit or v != type(self).model_fields[k].default}
+
+
+class Activations(OmitDefaults):
+    """W8A8: inputs of the quantized Linears quantized at run time per token (or per group of columns), or with one
+    static scale per Linear calibrated from the calibration windows (FP8 only)."""
+
+    _omit = ("group_size", "observer")
     bits: Literal[8] = 8
     type: Literal["int", "float"] = "int"  # float: FP8 e4m3
-    dynamic: Literal[True] = True
-    strategy: Literal["token"] = "token"
+    dynamic: bool = True  # false: one static input scale per Linear (strategy: tensor)
+    strategy: Literal["token", "group", "tensor"] = "token"
+    group_size: int | None = Field(None, ge=1)  # strategy: group: columns per scale
+    # static scales: max|x| / 448 over the calibration (minmax), the clip of least squared FP8 error (mse), or the
+    # 99.99th percentile of |x| (percentile); algorithms/observers.py
+    observer: Literal["minmax", "mse", "percentile"] = "minmax"
 
     @property
     def kind(self) -> str:
         return "int8" if self.type == "int" else "fp8"
 
 
-class WeightQuant(Strict):
+Positive = Annotated[int, Field(ge=1)]
+
+
+class WeightQuant(OmitDefaults):
+    _omit = ("scheme", "block", "per_tensor")
+    # a compressed-tensors preset name (methods/presets.py); keys written beside it override the preset's
+    scheme: str | None = None
     bits: Literal[2, 3, 4, 8] = 4
     group_size: Literal[-1, 32, 64, 128, 256] = 128
     sym: bool = True
@@ -47,11 +74,70 @@ class WeightQuant(Strict):
     # how each group's scale (and zero) is chosen: its min and max, or the clip of least |w - q|^2.4 (grid.mse_params)
     observer: Literal["minmax", "mse"] = "minmax"
     activations: Activations | None = None  # None: weight-only
+    block: tuple[Positive, Positive] | None = None  # FP8 weights: one scale per [rows, cols] block (FP8_BLOCK)
+    per_tensor: bool = False  # FP8 weights: one scale for the whole weight (the FP8 preset)
     # Module names (or suffixes / regexes with 're:') left in float. Only Linear layers inside
     # decoder blocks are quantized at all, so lm_head and embeddings stay float regardless.
     ignore: list[str] = ["lm_head"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        return presets.expand(data)
+
+    @field_validator("scheme")
+    @classmethod
+    def _known_preset(cls, name: str | None) -> str | None:
+        return presets.check_name(name)
 
 
 def error(message: str, **values: Any) -> PydanticCustomError:
     """A recipe error: one line, its values filled in."""
     return PydanticCustomError("recipe", message, values)
+
+
+def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
+    """What FP8 weights and quantized activations need of the weight stage's other arguments (path: its field)."""
+    act = args.activations
+    if args.type == "float":
+        if not rounds_float and args.block is None:  # GPTQ solves on FP8 blocks (its scales fixed before)
+            raise error("{path}.type: float (FP8) weights are solved on blocks only (block: [rows, cols], FP8_BLOCK); "
+                        "per-channel or per-tensor FP8 is rounded to nearest: use rtn with type: float", path=path)
+        if not rounds_float and getattr(args, "act_order", False):
+            raise error("{path}.act_order: FP8 block weights are solved in column order; act_order: false",
+                        path=path)
+        if not rounds_float and act is not None and not act.dynamic:
+            raise error("{path}.activations.dynamic: static input scales are calibrated after rounding to nearest; "
+                        "use rtn (or dynamic inputs)", path=path)
+        for key, want, why in (("bits", 8, "FP8 e4m3 is 8 bits"), ("group_size", -1, "one scale per output "
+                               "channel, tensor or block"), ("sym", True, "FP8 is symmetric")):
+            if getattr(args, key) != want:
+                raise error("{path}.{key}: float (FP8) weights need {key}: {want} ({why})",
+                            path=path, key=key, want=str(want).lower(), why=why)
+        if act is None:
+            raise error("{path}.activations: float (FP8) weights are written as W8A8 only; add "
+                        "activations: {type: float}", path=path)
+        if args.block is not None and args.per_tensor:
+            raise error("{path}.per_tensor: one scale per tensor or per block (block), not both", path=path)
+    else:
+        for key in ("block", "per_tensor"):
+            if getattr(args, key):
+                raise error("{path}.{key}: FP8 weights only (type: float)", path=path, key=key)
+    if act is None:
+        return
+    for key, want, why in (("bits", 8, "8-bit weights"), ("group_size", -1, "one scale per output channel"),
+                           ("sym", True, "symmetric weights, the only ones vLLM runs")):
+        if getattr(args, key) != want:
+            raise error("{path}.{key}: W8A8 (activations) needs {why}: {key}: {want}",
+                        path=path, key=key, want=str(want).lower(), why=why)
+    if act.type != args.type:
+        raise error("{path}.activations.type: {act} activations need {act} weights (type: {act}), got type: {w}",
+                    path=path, act=act.type, w=args.type)
+    if act.strategy != "token" and act.type != "float":
+        raise error("{path}.activations.strategy: {s} is for FP8 activations (type: float); int8 ones are per token",
+                    path=path, s=act.strategy)
+    if (act.strategy == "group") != (act.group_size is not None):
+        raise error("{path}.activations.group_size: needed by strategy: group, and only by it", path=path)
+    if act.dynamic == (act.strategy == "tensor"):
+        raise error("{path}.activations.dynamic: {want} for strategy: {s} (static inputs have one scale per "
+                    "tensor, calibrated)", path=path, want=str(act.strategy != "tensor").lower(), s=act.strategy)

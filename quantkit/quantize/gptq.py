@@ -27,7 +27,7 @@ from ..algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
 from ..algorithms.grid import GridSpec
 from ..errors import QuantkitError
 from ..families import moe
-from ..kernels.w8a8 import fake_quantize_tokens
+from ..kernels.w8a8 import fake_quantize_input
 from ..methods.config import WeightQuant
 from ..methods.base import round_linear
 from ..progress import Reporter
@@ -100,7 +100,7 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             del seen_inputs[c][gone]  # its quantized copy (the attention's, through the MLP)
         check_hidden_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
         # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
-        xq = x if act is None else fake_quantize_tokens(x, act)
+        xq = x if act is None else fake_quantize_input(x, act, result.info.act_group)
         arrived[c] = xq
         if parking.worth_it(module.in_features, xq.device):  # until this micro-batch's Linear runs, with the
             earlier = [t for ref, q, _ in seen_inputs[c].values() for t in (ref(), q) if t is not None]  # inputs
@@ -117,7 +117,7 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
         name, x = names[module], inputs[0]
         if moe.replaying(module):  # an expert's routed call: its tokens were all counted in the first call
-            return None if act is None else (fake_quantize_tokens(x, act), *inputs[1:])
+            return None if act is None else (fake_quantize_input(x, act, result.info.act_group), *inputs[1:])
         if parked_weights.holds(module.weight):  # a quantized Linear called again
             parked_weights.restore()
         try:
@@ -193,7 +193,8 @@ def _solver(h: Hessian, args: WeightQuant, spec: GridSpec, report: Reporter, fir
     consumes the Hessian's sum: it holds the only copy of the matrix while it factors it."""
     try:
         return GPTQ(h, spec, args.damp, args.block_size, args.act_order,
-                    warn=lambda m: report.warn(f"{first}: {m}"), observer=args.observer)
+                    warn=lambda m: report.warn(f"{first}: {m}"), observer=args.observer,
+                    fp8_block=args.block if args.type == "float" else None)
     except NotPositiveDefinite as err:
         raise QuantkitError(f"gptq: {first}: {err}; raise damp") from None
 
@@ -273,7 +274,7 @@ def waves(run, hidden: HiddenStates, names: dict[nn.Linear, str], args: WeightQu
 
         def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
             name, x = names[module], inputs[0]
-            xq = x if act is None else fake_quantize_tokens(x, act)
+            xq = x if act is None else fake_quantize_input(x, act, result.info.act_group)
             passthrough = None if act is None else (xq, *inputs[1:])
             if moe.replaying(module) or name in result.qweights:
                 return passthrough

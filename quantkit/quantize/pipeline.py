@@ -7,8 +7,10 @@ solves (GPTQ, quantize/gptq.py) quantizes each Linear during the block's own for
 quantized block's; one that rounds (RTN, AWQ's own) quantizes each block's Linears and runs the block to feed the
 next one, and alone, with no data to read, is one sweep over the weights. The loop asks the stage's method
 (quantkit/methods) which of these it is; it names none.
-W8A8 recipes also quantize each Linear's input per token during those forwards (the grid Int8Linear / Fp8Linear
-run), so later blocks calibrate on what will run. The model keeps float Linears holding the
+W8A8 recipes also quantize each Linear's input per token (or per group of columns) during those forwards (the grid
+Int8Linear / Fp8Linear run), so later blocks calibrate on what will run. Static FP8 inputs (the FP8 preset) first
+observe every Linear's input over a forward of the rounded block (algorithms/observers.py, combined over the ranks),
+then that forward's inputs are quantized on the scales found. The model keeps float Linears holding the
 dequantized weights; `kernels.w8a8.swap_w8a8_linears(model, result.qweights)` makes it the W8A8 model.
 """
 
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from ..errors import QuantkitError
 from ..families import moe
-from ..kernels.w8a8 import fake_quantize_tokens
+from ..algorithms.observers import InputObserver
+from ..kernels.w8a8 import fake_quantize_input
 from ..model import decoder_blocks
 from ..progress import Reporter, fmt_eta
 from ..recipe import MoE, Stage
@@ -71,7 +75,7 @@ def quantize(
         for note in p.notes:
             report.warn(f"{p.name}: {note}")
     result = QuantResult({}, info)
-    if not stage.method.calibrated and not passes:  # no data needed: one sweep over the weights, block by block
+    if not stage.calibrated and not passes:  # no data needed: one sweep over the weights, block by block
         with report.timed("rtn"), torch.no_grad():
             for i, block in enumerate(decoder_blocks(model)[1]):
                 source.load(i, block, device)
@@ -230,8 +234,11 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                                      moe_args)
                 else:
                     _round_weights(names, stage, result, report)
+                    if result.info.act_strategy == "tensor":
+                        with report.timed("observe"):
+                            _observe_inputs(in_micro_batches(run), hidden, names, stage, result, ranks)
                 with report.timed("forward"):
-                    run_all(in_micro_batches(_act_quant_hooks(run, names, result.info.activations)))
+                    run_all(in_micro_batches(_act_quant_hooks(run, names, result)))
         finally:
             for handle in handles:
                 handle.remove()
@@ -263,13 +270,36 @@ def _round_weights(names: dict[nn.Linear, str], stage: Stage, result: QuantResul
             result.qweights[name], result.losses[name] = stage.method.round(module, stage.weights, result.info.spec)
 
 
-def _act_quant_hooks(run, names: dict[nn.Linear, str], act: str | None):
-    """The block's forward as the quantized model runs it: W8A8 Linears read their input quantized per token."""
+def _observe_inputs(run, hidden: HiddenStates, names: dict[nn.Linear, str], stage: Stage, result: QuantResult,
+                    ranks: Ranks) -> None:
+    """Each Linear's static input scale, from its inputs over every window of every rank (the block's weights
+    rounded, its inputs not yet quantized), stored with its quantized weight."""
+    observers = {m: InputObserver(stage.weights.activations.observer) for m in names}
+    handles = [m.register_forward_pre_hook(lambda m, inputs: observers[m].update(inputs[0])) for m in names]
+    try:
+        for k in range(len(hidden)):
+            run(hidden.read(k))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for m, name in names.items():
+        observers[m].reduce(ranks)
+        result.qweights[name] = replace(result.qweights[name], input_scale=observers[m].scale())
+
+
+def _act_quant_hooks(run, names: dict[nn.Linear, str], result: QuantResult):
+    """The block's forward as the quantized model runs it: W8A8 Linears read their input quantized per token, per
+    group of columns, or on their static scale."""
+    info = result.info
+
+    def quantizer(name: str):
+        scale = getattr(result.qweights[name], "input_scale", None)
+        return lambda _, inputs: (fake_quantize_input(inputs[0], info.activations, info.act_group, scale),
+                                  *inputs[1:])
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        handles = [] if act is None else [
-            m.register_forward_pre_hook(lambda _, inputs: (fake_quantize_tokens(inputs[0], act), *inputs[1:]))
-            for m in names
-        ]
+        handles = [] if info.activations is None else [
+            m.register_forward_pre_hook(quantizer(name)) for m, name in names.items()]
         try:
             return run(x)
         finally:

@@ -34,7 +34,9 @@ def plan(
     transforms: the stages before the weight stage (its position in error messages, the method's name)."""
     args, path = stage.weights, f"stages.{len(transforms)}.{stage.name}"
     spec = GridSpec(args.bits, args.group_size, args.sym)
-    scheme = scheme_of(spec, None if args.activations is None else args.activations.kind)
+    act = args.activations
+    scheme = scheme_of(spec, None if act is None else act.kind, args.block, "token" if act is None else act.strategy,
+                       None if act is None else act.group_size)
     routers = pooled("routers")  # asked now: a family registered after import may add router names
     prefix, blocks = decoder_blocks(model)
     check_supported(model, blocks)
@@ -52,6 +54,13 @@ def plan(
                 f"{path}.group_size: {args.group_size} does not divide in_features "
                 f"{m.in_features} of {name}; use {' or '.join(map(str, divisors + [-1]))}"
             )
+        if args.block is not None and (m.out_features % args.block[0] or m.in_features % args.block[1]):
+            raise QuantkitError(f"{path}.block: {list(args.block)} does not tile {name} [{m.out_features}, "
+                                f"{m.in_features}]; expected a block whose rows divide {m.out_features} and columns "
+                                f"divide {m.in_features} (or ignore it)")
+        if act is not None and act.group_size and m.in_features % act.group_size:
+            raise QuantkitError(f"{path}.activations.group_size: {act.group_size} does not divide in_features "
+                                f"{m.in_features} of {name}")
         for fmt in formats:
             problem = format_registry.get(fmt).check_linear(scheme, name, m.out_features, m.in_features)
             if problem:
@@ -67,6 +76,11 @@ def plan(
         damp=getattr(args, "damp", None),
         unquantized_linears=unquantized,
         block_linears_prefix=prefix,
-        activations=None if args.activations is None else args.activations.kind,
+        activations=None if act is None else act.kind,
+        block=args.block,
+        per_tensor=args.per_tensor,
+        act_strategy="token" if act is None else act.strategy,
+        act_group=None if act is None else act.group_size,
+        act_observer="minmax" if act is None else act.observer,
     )
     return prefix, targets, info

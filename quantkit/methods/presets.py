@@ -1,0 +1,49 @@
+"""compressed-tensors' preset scheme names, as llm-compressor users write them (`rtn: {scheme: FP8_BLOCK}`), and
+the weight-stage arguments each stands for (compressed-tensors 0.20.1 quantization/quant_scheme.py PRESET_SCHEMES).
+
+A preset fills in the stage's arguments; keys written beside it override the preset's (`scheme: FP8_BLOCK,
+block: [64, 64]` for a model whose widths 128 does not divide), so the recipe says what differs from the name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+_FP8 = {"bits": 8, "group_size": -1, "sym": True, "type": "float"}
+
+SUPPORTED: dict[str, dict[str, Any]] = {
+    "W4A16": {"bits": 4, "group_size": 128, "sym": True},
+    "W4A16_ASYM": {"bits": 4, "group_size": 128, "sym": False},
+    "W8A16": {"bits": 8, "group_size": 128, "sym": True},
+    # int8 weights per channel, int8 inputs per token at run time
+    "W8A8": {"bits": 8, "group_size": -1, "sym": True, "activations": {"type": "int"}},
+    # FP8 weights per channel, FP8 inputs per token at run time
+    "FP8_DYNAMIC": _FP8 | {"activations": {"type": "float"}},
+    # FP8 weights one scale per tensor, FP8 inputs one static scale per tensor calibrated from the data
+    "FP8": _FP8 | {"per_tensor": True, "activations": {"type": "float", "dynamic": False, "strategy": "tensor"}},
+    # FP8 weights one scale per [128, 128] block, FP8 inputs per group of 128 columns at run time (DeepSeek-V3's)
+    "FP8_BLOCK": _FP8 | {"block": [128, 128], "activations": {"type": "float", "strategy": "group", "group_size": 128}},
+}
+
+
+def expand(data: Any) -> Any:
+    """A weight stage's arguments with its `scheme:` preset filled in under the keys written beside it (one level
+    deeper for `activations`). An unknown name is left for the `scheme` field's check to refuse."""
+    if not isinstance(data, dict) or not isinstance(data.get("scheme"), str):
+        return data
+    preset = SUPPORTED.get(data["scheme"].upper())
+    if preset is None:
+        return data
+    out = {**preset, **data, "scheme": data["scheme"].upper()}
+    if isinstance(preset.get("activations"), dict) and isinstance(data.get("activations"), dict):
+        out["activations"] = preset["activations"] | data["activations"]
+    return out
+
+
+def check_name(name: str | None) -> str | None:
+    if name is not None and name.upper() not in SUPPORTED:
+        raise PydanticCustomError("preset", "unknown preset {name} (known: {known})",
+                                  {"name": repr(name), "known": ", ".join(SUPPORTED)})
+    return None if name is None else name.upper()
