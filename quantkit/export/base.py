@@ -22,6 +22,7 @@ class QuantInfo:
     unquantized_linears: list[str] = field(default_factory=list)  # full names of Linear layers left float
     block_linears_prefix: str = "model.layers"  # where the decoder blocks live
     activations: str | None = None  # None: weight-only; int8 | fp8: W8A8, activations quantized per token at run time
+    kv_cache: str | None = None  # None: a 16-bit KV cache; tensor | head: FP8 with k / v scales of that strategy
 
     @property
     def scheme(self) -> Scheme:
