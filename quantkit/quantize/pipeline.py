@@ -104,7 +104,9 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                             "every process needs at least one")
     hidden = Activations(offload.where, device, tokens.shape[0], offload.batch_size or tokens.shape[0],
                          offload.folder)
-    micro = microbatches.size(tokens.shape[0], tokens.shape[1])
+    # an observer's max reads the states' last bits, which depend on how many rows a matmul gets (microbatches.py):
+    # one window per forward, so in-memory, batched and multi-process runs observe the same bits
+    micro = 1 if observers else microbatches.size(tokens.shape[0], tokens.shape[1])
     try:
         with report.timed("capture"), source.capture():
             calls = {}  # windows in a batch -> each block's call arguments (masks, rotary embeddings) at that size
@@ -159,6 +161,11 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
         first = checkpoints.state["done"] + 1
         report.info(f"resuming after block {first}/{len(blocks)} from {checkpoints.folder}")
     start = time.perf_counter()
+
+    def observing(i: int, block: nn.Module) -> list:
+        """The observers' hooks, for the forward whose output is the next block's input (the quantized block's)."""
+        return [h for o in observers for h in o.attach(f"{prefix}.{i}.", block)]
+
     for i, block in enumerate(blocks):
         if i < first:
             continue
@@ -222,13 +229,12 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 for warning in p.apply(i, block):
                     report.warn(warning)
         handles, inline_warnings = inline.inline(i, block) if inline else ([], list)
-        # observers see the forward whose output is the next block's input: the quantized block's
-        handles = [*handles, *(h for o in observers for h in o.attach(f"{prefix}.{i}.", block))]
         try:
             if stage.method.solves and hidden.one_batch:
                 # in step only where every micro-batch calls the same Linears (no experts) and no smoothing folds
                 # a scale inside the forward
                 step = micro if not experts and inline is None else None
+                handles = [*handles, *observing(i, block)]
                 run_all(lambda x: gptq.one_forward(run, x, names, stage.args, result, report, ranks, kind,
                                               f"{prefix}.{i}.", moe_args, step, hidden.spill))
             else:
@@ -238,6 +244,7 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                                      moe_args)
                 else:
                     _round_weights(names, stage, result, report)
+                handles = [*handles, *observing(i, block)]
                 with report.timed("forward"):
                     run_all(in_micro_batches(_act_quant_hooks(run, names, result.info.activations)))
         finally:
