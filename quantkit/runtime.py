@@ -42,6 +42,13 @@ def artifact_format(path: str | Path) -> str | None:
     return method
 
 
+def kv_cache_scheme(path: str | Path) -> dict | None:
+    """An artifact's FP8 KV cache (compressed-tensors' kv_cache_scheme), None where the KV cache stays 16-bit."""
+    cfg = Path(path) / "config.json"
+    kv = (check_config(cfg).get("quantization_config") or {}).get("kv_cache_scheme") if cfg.is_file() else None
+    return kv if isinstance(kv, dict) else None
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """The files the index (or model.safetensors) names, each checked inside the folder with its header: a stray
     *.safetensors beside them is not part of the artifact."""

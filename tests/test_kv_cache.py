@@ -200,3 +200,27 @@ def test_formats_without_kv_scales_and_uncalibrated_recipes_are_refused():
                               "with kv_cache is written as compressed-tensors only")
     # without kv_cache the recipe's dump (quantkit.json, the resume key) has no kv_cache key
     assert "kv_cache" not in parse_recipe(base | {"kv_cache": None}).model_dump()
+
+
+def test_bench_reports_kv_bytes_per_token_and_capacity(three_layers, tmp_path):
+    """SmolLM2-135M's shape (30 layers, 3 KV heads of 64): 11,520 bytes per token in fp8, 23,040 in 16 bits; a GiB
+    holds twice the sequences."""
+    from transformers import LlamaConfig
+
+    from quantkit.bench.decode import kv_cache_bytes
+    from quantkit.bench.runner import kv_capacity, markdown
+    from quantkit.runtime import kv_cache_scheme
+
+    cfg = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    fp8, b16 = (kv_cache_bytes(cfg, 1, 1, d) for d in (torch.float8_e4m3fn, torch.float16))
+    assert (fp8, b16) == (11520, 23040)
+    models = [{"name": "model", "path": "out/compressed-tensors", "kv_cache": {"dtype": "fp8_e4m3", "bytes_per_token": fp8}},
+              {"name": "base", "path": "base", "kv_cache": {"dtype": "16-bit", "bytes_per_token": b16}}]
+    rows = kv_capacity(models, 640, 2**30)
+    assert [(r["sequences"], r["capacity_ratio"]) for r in rows] == [(145, 2.0), (72, 1.0)]
+    body = {"device_name": "cpu", "peaks": {"copy_bw_bytes_s": 1e9, "matmul_dtype": "float32", "matmul_flops": 1e9},
+            "settings": {"prompt_len": 512, "gen_len": 128, "reps": 1}, "models": [], "runs": [], "roofline": [],
+            "ratios": [], "kv_capacity": rows}
+    assert "| model | out/compressed-tensors | fp8_e4m3 | 11,520 | 145 | 2.00× |" in markdown(body)
+    artifact = run(kv_recipe(tmp_path, three_layers, "bench"))
+    assert kv_cache_scheme(artifact)["strategy"] == "tensor" and kv_cache_scheme(three_layers) is None
