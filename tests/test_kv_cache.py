@@ -224,3 +224,20 @@ def test_bench_reports_kv_bytes_per_token_and_capacity(three_layers, tmp_path):
     assert "| model | out/compressed-tensors | fp8_e4m3 | 11,520 | 145 | 2.00× |" in markdown(body)
     artifact = run(kv_recipe(tmp_path, three_layers, "bench"))
     assert kv_cache_scheme(artifact)["strategy"] == "tensor" and kv_cache_scheme(three_layers) is None
+
+
+def test_transformers_loads_the_artifact_but_ignores_its_kv_scales(three_layers, tmp_path):
+    """compressed-tensors 0.20.1 hooks attention modules whose forward takes `past_key_values`; transformers 5.25's
+    take `cache`, so from_pretrained reports k_scale / v_scale as unexpected and runs a 16-bit KV cache: its logits
+    are quantkit's with the KV cache hooks off (docs/formats.md). Fails when that changes."""
+    from transformers import AutoModelForCausalLM
+
+    artifact = run(kv_recipe(tmp_path, three_layers, "hf"))
+    ids = torch.arange(3, 35).reshape(1, 32)
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(str(artifact), dtype=torch.float32)(ids).logits
+        ours = load(str(artifact)).model
+        with_kv = ours(ids).logits
+        for m in kv_cache.attention_modules(ours).values():
+            m._forward_pre_hooks.clear()
+        assert torch.equal(hf, ours(ids).logits) and not torch.equal(hf, with_kv)
