@@ -105,8 +105,9 @@ def test_streamed_and_micro_batched_runs_write_the_in_memory_bytes(three_layers,
     want = (ref / "model.safetensors").read_bytes()
     assert (run(kv_recipe(tmp_path, three_layers, "stream", strategy="head", load_mode="stream"))
             / "model.safetensors").read_bytes() == want
-    assert (run(kv_recipe(tmp_path, three_layers, "batches", strategy="head",
-                          calibration_extra=", offload: cpu, batch_size: 4")) / "model.safetensors").read_bytes() == want
+    batches = run(kv_recipe(tmp_path, three_layers, "batches", strategy="head",
+                            calibration_extra=", offload: cpu, batch_size: 4"))
+    assert (batches / "model.safetensors").read_bytes() == want
 
 
 @pytest.mark.slow  # three child processes and torchrun: about a minute on a busy machine
@@ -214,7 +215,8 @@ def test_bench_reports_kv_bytes_per_token_and_capacity(three_layers, tmp_path):
     cfg = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
     fp8, b16 = (kv_cache_bytes(cfg, 1, 1, d) for d in (torch.float8_e4m3fn, torch.float16))
     assert (fp8, b16) == (11520, 23040)
-    models = [{"name": "model", "path": "out/compressed-tensors", "kv_cache": {"dtype": "fp8_e4m3", "bytes_per_token": fp8}},
+    models = [{"name": "model", "path": "out/compressed-tensors",
+               "kv_cache": {"dtype": "fp8_e4m3", "bytes_per_token": fp8}},
               {"name": "base", "path": "base", "kv_cache": {"dtype": "16-bit", "bytes_per_token": b16}}]
     rows = kv_capacity(models, 640, 2**30)
     assert [(r["sequences"], r["capacity_ratio"]) for r in rows] == [(145, 2.0), (72, 1.0)]

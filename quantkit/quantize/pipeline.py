@@ -73,7 +73,7 @@ def quantize(
         for note in p.notes:
             report.warn(f"{p.name}: {note}")
     result = QuantResult({}, info)
-    if not stage.method.calibrated and not passes and not observers:  # no data needed: one sweep over the weights, block by block
+    if not stage.method.calibrated and not passes and not observers:  # no data: one sweep over the weights, by block
         with report.timed("rtn"), torch.no_grad():
             for i, block in enumerate(decoder_blocks(model)[1]):
                 source.load(i, block, device)
@@ -233,6 +233,8 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
             if stage.method.solves and hidden.one_batch:
                 # in step only where every micro-batch calls the same Linears (no experts) and no smoothing folds
                 # a scale inside the forward
+                # (all windows at once otherwise: then an observer's max may differ in its last bits between runs
+                # of different process counts)
                 step = micro if not experts and inline is None else None
                 handles = [*handles, *observing(i, block)]
                 run_all(lambda x: gptq.one_forward(run, x, names, stage.args, result, report, ranks, kind,

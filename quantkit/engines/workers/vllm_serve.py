@@ -4,8 +4,9 @@ driver keeps as the worker's log. Only the standard library, torch and vllm are 
 lm_eval_tasks.py loaded by its path, for tasks): this file runs under the vLLM venv's interpreter, where
 quantkit is not installed.
 
-Requests: {"op": "kernels"}, {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs", "kv_cache_dtype"}, {"op":
-"prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens", "ignore_eos"},
+Requests: {"op": "kernels"}, {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs",
+"kv_cache_dtype"}, {"op": "prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts":
+[[ids]], "max_tokens", "ignore_eos"},
 {"op": "bench", "concurrency": [n], "prompt_len", "gen_len", "reps"}, {"op": "tasks", "model", "dtype",
 "max_model_len", "batch_size", "tasks", "limit", "num_fewshot", "task_module", "data"}. A reply is {"ok": true, ...} or
 {"error": "one line"}.
