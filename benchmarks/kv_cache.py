@@ -10,7 +10,7 @@ artifact is then evaluated in quantkit's runtime with its KV cache hooks
   - per token: an oracle, amax / 448 of every token's own key / value in each head (no static scale does better),
     which shows what is left when the scale is perfect: e4m3's 3-bit mantissa.
 
-    python benchmarks/kv_cache.py --out /tmp/kv --num-samples 32 --windows 8
+    python benchmarks/kv_cache.py --out /tmp/kv --num-samples 32 --windows 2
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def per_token(key: torch.Tensor, value: torch.Tensor):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--num-samples", type=int, default=32, help="calibration windows of 512 tokens")
+    p.add_argument("--num-samples", type=int, default=32, help="calibration windows (the recipe's 128 tokens)")
     p.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens per domain")
     p.add_argument("--seq-len", type=int, default=512)
     a = p.parse_args()
