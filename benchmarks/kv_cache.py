@@ -8,7 +8,9 @@ artifact is then evaluated in quantkit's runtime with its KV cache hooks
   - per head: the artifact as written (strategy head);
   - per tensor: max over the heads of the same amax (bit for bit what strategy tensor writes);
   - per token: an oracle, amax / 448 of every token's own key / value in each head (no static scale does better),
-    which shows what is left when the scale is perfect: e4m3's 3-bit mantissa.
+    which shows what is left when the scale is perfect: e4m3's 3-bit mantissa;
+  - with --headroom H: per tensor and per head with H times the scale (amax·H / 448): states up to H times the
+    calibration's amax pass unclamped, at the cost of the smallest values falling below e4m3's normal range sooner.
 
     python benchmarks/kv_cache.py --out /tmp/kv --num-samples 32 --windows 2
 """
@@ -41,6 +43,8 @@ def main() -> int:
     p.add_argument("--num-samples", type=int, default=32, help="calibration windows (the recipe's 128 tokens)")
     p.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens per domain")
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--headroom", type=float, help="also per tensor / per head with this many times the scale")
+    p.add_argument("--skip", default="", help="variants not to run, comma-separated (their rows are left out)")
     a = p.parse_args()
     from quantkit.eval.perplexity import eval_tokens, perplexity
     from quantkit.kernels.kv_cache import apply_fp8_kv, attention_modules, on_states
@@ -74,11 +78,17 @@ def main() -> int:
             return apply_fp8_kv(model, head)
         if variant == "per tensor":
             return apply_fp8_kv(model, tensor)
+        if variant.startswith("per tensor ×") or variant.startswith("per head ×"):
+            scales = tensor if variant.startswith("per tensor") else head
+            return apply_fp8_kv(model, {k: s * a.headroom for k, s in scales.items()})
         if variant == "per token (oracle)":
             return [on_states(m, per_token) for m in modules.values()]
         return []
 
-    variants = ("W4A16 (16-bit KV)", "per tensor", "per head", "per token (oracle)")
+    variants = ["W4A16 (16-bit KV)", "per tensor", "per head", "per token (oracle)"]
+    if a.headroom:
+        variants += [f"per tensor ×{a.headroom:g}", f"per head ×{a.headroom:g}"]
+    variants = [v for v in variants if v not in a.skip.split(",")]
     rows: dict[str, dict[str, float]] = {v: {} for v in variants}
     report = Reporter(quiet=True)
     for domain in DOMAINS:
