@@ -23,8 +23,8 @@ from .algorithms.scheme import QuantizedTensor
 from .export import formats
 from .export.base import split_by_module
 from .families import moe
-from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.kv_cache import apply_fp8_kv
+from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
 from .untrusted import SAFETENSORS_INDEX, check_config, check_model, weight_map
