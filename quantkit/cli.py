@@ -76,6 +76,17 @@ def quantize(recipe_path: str, overwrite: bool, no_resume: bool, quiet: bool, js
         write_json(json_out, summary)
 
 
+def _size(text: str, option: str) -> int:
+    from pydantic_core import PydanticCustomError
+
+    from .recipe import parse_size
+
+    try:
+        return parse_size(text)
+    except PydanticCustomError:
+        raise QuantkitError(f"{option}: {text!r} is not a size like 1GiB or 500MB") from None
+
+
 def _batches(ctx, param, value: str) -> tuple[int, ...]:
     try:
         out = tuple(int(b) for b in value.split(","))
@@ -102,6 +113,8 @@ def _batches(ctx, param, value: str) -> tuple[int, ...]:
               type=click.Choice(["auto", "torch", "quantkit"]),
               help="W4A16 kernel: torch = PyTorch's int4 (tinygemm) kernels; quantkit = quantkit's AVX2 CPU kernel; "
                    "auto = quantkit's on x86 CPUs where it builds, else torch's.")
+@click.option("--kv-budget", default="1GiB", show_default=True,
+              help="KV-cache memory the capacity figure fills with sequences of --prompt-len + --gen-len tokens.")
 @click.option("--compile", "compile_", is_flag=True,
               help="Also run each model with a static KV cache and torch.compile (CUDA graphs on GPU), side by side.")
 @click.option("--engine", default="quantkit", show_default=True, type=click.Choice(["quantkit", "vllm"]),
@@ -112,7 +125,7 @@ def _batches(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--json", "json_out", metavar="FILE", help="Write the results (stable keys) here.")
 @click.option("--markdown", "md_out", metavar="FILE", help="Write the markdown tables here.")
 def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, baseline_dtype, reps, int4_backend,
-          compile_, engine, vllm_python, quiet, json_out, md_out) -> None:
+          kv_budget, compile_, engine, vllm_python, quiet, json_out, md_out) -> None:
     """Memory and tokens/s of each ARTIFACT on the device with real low-bit kernels (and of the original with
     --baseline, once), a roofline of each decode run; results also go into each artifact's quantkit.json."""
     from .bench import runner, serving
@@ -135,7 +148,8 @@ def bench(artifacts, baseline, batches, prompt_len, gen_len, device, dtype, base
     else:
         o = runner.BenchOptions(baseline=baseline, batches=batches, prompt_len=prompt_len, gen_len=gen_len,
                                 device=device, dtype=dtype, baseline_dtype=baseline_dtype, reps=reps,
-                                compile=compile_, int4_backend=int4_backend)
+                                compile=compile_, int4_backend=int4_backend,
+                                kv_budget=_size(kv_budget, "--kv-budget"))
         body = runner.run_bench(list(artifacts), o, rep)
         markdown = runner.markdown
     body["versions"] = package_versions()

@@ -62,6 +62,15 @@ class MoE(_Strict):
     min_tokens: int = Field(16, ge=1)
 
 
+class KVCache(_Strict):
+    """An FP8 (e4m3) KV cache: keys and values stored in 8 bits with static scales, amax / 448 over the calibration
+    windows, per tensor or per KV head (kernels/kv_cache.py); compressed-tensors' kv_cache_scheme."""
+
+    bits: Literal[8] = 8
+    type: Literal["float"] = "float"
+    strategy: Literal["tensor", "head"] = "tensor"
+
+
 # A recipe is zero or more transform stages (they rewrite the float weights, the model function unchanged),
 # then exactly one weight stage. A kind may be both (AWQ: a transform before gptq, or the weight stage alone).
 # The kinds are the registered methods (quantkit/methods), one optional field each: Stage has those registered at
@@ -216,9 +225,18 @@ class Recipe(_Strict):
     calibration: Calibration | None = None
     moe: MoE = MoE()
     stages: list[Stage] = Field(min_length=1)
+    kv_cache: KVCache | None = None
     export: Export
     release: Release = Release()
     gates: Gates = Gates()
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        # no kv_cache: left out, so the dump of a recipe without one (quantkit.json, the resume key) is as before
+        data = handler(self)
+        if isinstance(data, dict) and data.get("kv_cache", 0) is None:
+            del data["kv_cache"]
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
@@ -227,8 +245,19 @@ class Recipe(_Strict):
             if stage.calibrated and self.calibration is None:
                 raise _error("calibration: required by the {stage} stage", stage=stage.name)
         self._check_weights()
+        self._check_kv_cache()
         self._check_release()
         return self
+
+    def _check_kv_cache(self) -> None:
+        if self.kv_cache is None:
+            return
+        if self.calibration is None:
+            raise _error("kv_cache: its k / v scales are calibrated; add a calibration section")
+        for fmt in self.export.formats:
+            if not formats.get(fmt).kv_cache:
+                raise _error("export.formats: {fmt} cannot carry an FP8 KV cache's k / v scales; a recipe with "
+                             "kv_cache is written as compressed-tensors only", fmt=fmt)
 
     def _check_release(self) -> None:
         r, g = self.release, self.gates
@@ -296,7 +325,7 @@ class Recipe(_Strict):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(s.calibrated for s in self.stages)
+        return self.kv_cache is not None or any(s.calibrated for s in self.stages)
 
 
 def parse_size(text: str) -> int:

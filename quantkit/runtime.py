@@ -4,7 +4,10 @@ Weight-only artifacts (gptq, awq, compressed-tensors pack-quantized): quantized 
 from the files and dequantized into ordinary nn.Linear weights, or, with `int4_device` (the bench), kept as
 4-bit codes in W4Linear layers that run PyTorch's int4 kernels on that device. W8A8 artifacts (compressed-tensors
 int-quantized / float-quantized) get Int8Linear / Fp8Linear layers, which quantize their inputs per token
-as vLLM does, so eval measures quantized activations too. Plain HF folders and GGUF files load as originals.
+as vLLM does, so eval measures quantized activations too. An artifact with an FP8 KV cache (compressed-tensors'
+kv_cache_scheme, `*.k_scale` / `*.v_scale`) gets hooks that pass every key and value state through e4m3 with those
+scales where the attention writes its cache (kernels/kv_cache.py), so eval, KLD, gates and the card measure it.
+Plain HF folders and GGUF files load as originals.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from .algorithms.scheme import QuantizedTensor
 from .export import formats
 from .export.base import split_by_module
 from .families import moe
+from .kernels.kv_cache import apply_fp8_kv
 from .kernels.w4a16 import pick_backend, supports, swap_w4a16_linears
 from .kernels.w8a8 import swap_w8a8_linears
 from .model import Loaded, load_model, quiet_transformers, torch_dtype
@@ -43,6 +47,12 @@ def artifact_format(path: str | Path) -> str | None:
     return _format_of(path, _artifact_config(path))
 
 
+def kv_cache_scheme(path: str | Path) -> dict | None:
+    """An artifact's FP8 KV cache (compressed-tensors' kv_cache_scheme), None where the KV cache stays 16-bit."""
+    kv = ((_artifact_config(path) or {}).get("quantization_config") or {}).get("kv_cache_scheme")
+    return kv if isinstance(kv, dict) else None
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """The files the index (or model.safetensors) names, each checked inside the folder with its header: a stray
     *.safetensors beside them is not part of the artifact."""
@@ -59,6 +69,10 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def kv_scale(name: str) -> bool:
+    return name.endswith((".k_scale", ".v_scale"))
+
+
 def quantized_state_dict(
     folder: Path, fmt: str, qcfg: dict, dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedTensor]]:
@@ -71,7 +85,8 @@ def quantized_state_dict(
         prefix, _, _ = name.rpartition(".")
         if prefix in modules and not name.endswith(".bias"):
             continue
-        state[name] = t.to(dtype) if t.is_floating_point() else t
+        # KV cache scales stay float32: amax / 448, which a 16-bit dtype would round
+        state[name] = t.to(dtype) if t.is_floating_point() and not kv_scale(name) else t
     return state, {prefix: codec.decode(parts, qcfg) for prefix, parts in modules.items()}
 
 
@@ -100,6 +115,7 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
     ours = moe.prepare(model).inverse()  # per-expert Linears; the artifact keeps the original checkpoint's names
     state, qweights = quantized_state_dict(folder, fmt, qcfg, want)
     state = {ours(k): v for k, v in state.items()}
+    kv_scales = {k: state.pop(k) for k in [k for k in state if kv_scale(k)]}
     qweights = {ours.module(k): v for k, v in qweights.items()}
     w8a8 = formats.get(fmt).activations(qcfg) is not None
     if w8a8:  # the quantized weights go into W8A8 layers below, not into the float Linears
@@ -120,6 +136,11 @@ def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None
             f"unexpected {sorted(unexpected)[:3]})"
         )
     model.tie_weights()
+    if qcfg.get("kv_cache_scheme"):
+        try:
+            apply_fp8_kv(model, kv_scales)
+        except KeyError as err:
+            raise QuantkitError(f"{path}: quantization_config has a kv_cache_scheme but no {err.args[0]}") from None
     if w8a8:
         swap_w8a8_linears(model, qweights, formats.get(fmt).input_group(qcfg))
     elif kept:

@@ -32,6 +32,7 @@ from .export import formats, layout
 from .export.artifact import INDEX_NAME, MANIFEST_NAME, WEIGHTS_NAME, sha256_file
 from .export.base import split_by_module
 from .families import moe
+from .kernels import kv_cache
 from .untrusted import read_json
 
 # files a loader may execute: Python, compiled modules, pickles (torch.load and friends run code from them)
@@ -334,6 +335,15 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model, names: moe.Checkpoin
         if got != list(want.shape):
             shapes.append(f"{prefix}: decoded weight is {got}, config.json gives {list(want.shape)}")
     floats = {n: t for n, t in tensors.items() if n.rpartition(".")[0] not in modules or n.endswith(".bias")}
+    kv = qcfg.get("kv_cache_scheme")
+    if isinstance(kv, dict):  # an FP8 KV cache: its scales, float in any dtype (llm-compressor: the model's)
+        for name, shape in sorted(kv_cache.expected_scales(model, str(kv.get("strategy"))).items()):
+            t = floats.pop(name, None)
+            if t is None:
+                shapes.append(f"{name}: missing from the safetensors files (kv_cache_scheme needs it)")
+            elif not t.is_floating_point() or list(t.shape) != shape:
+                shapes.append(f"{name}: {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; kv_cache_scheme "
+                              f"{kv.get('strategy')} stores a float {shape}")
     for name, t in sorted(floats.items()):
         want = expected.pop(name, None)
         if want is None:

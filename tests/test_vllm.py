@@ -22,8 +22,8 @@ import pytest
 from conftest import write_recipe
 from tiny_models import SERVABLE_EXTRA, make_servable_model
 
-from quantkit.engines.vllm import (INT8_INEXACT, MOE_W4A8, NO_FP8_BLOCK, NO_FP8_STATIC, NO_WNA16, W4A8, VllmEngine,
-                                   fp8_layout, weight_only_int)
+from quantkit.engines.vllm import (INT8_INEXACT, MOE_W4A8, NO_FP8_BLOCK, NO_FP8_KV, NO_FP8_STATIC, NO_WNA16, W4A8,
+                                   VllmEngine, fp8_kv_cache, fp8_layout, weight_only_int)
 from quantkit.evaluation.report import markdown as eval_markdown
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.runner import EvalOptions, evaluate
@@ -60,9 +60,12 @@ REFUSED = {name: "Value error, Unsupported quantization config: bits=4, sym=Fals
 DENSE = [f for f in SERVABLE_EXTRA if f not in ("qwen3_moe", "mixtral", "olmoe")]
 
 
-def quantize(model: Path | str, out: Path, stage: str, fmt: str) -> Path:
-    recipe = load_recipe(write_recipe(out.with_suffix(".yaml"), model, out, stage, (fmt,), samples=8, seq_len=128,
-                                      extra=", dtype: float16"))
+def quantize(model: Path | str, out: Path, stage: str, fmt: str, tail: str = "") -> Path:
+    """tail: recipe lines after export (kv_cache)."""
+    path = write_recipe(out.with_suffix(".yaml"), model, out, stage, (fmt,), samples=8, seq_len=128,
+                        extra=", dtype: float16")
+    path.write_text(path.read_text() + tail)
+    recipe = load_recipe(path)
     run_quantize(recipe, overwrite=False, report=Reporter(quiet=True))
     return out / fmt
 
@@ -454,3 +457,29 @@ def test_fp8_block_and_static_are_refused_on_an_avx2_cpu_before_vllm_loads(tiny_
             why = NO_FP8_BLOCK if name == "fp8-block" else NO_FP8_STATIC
             assert str(err.value) == f"vllm: cannot serve {artifact}: {why}"
     assert not (tmp_path / "seen").exists()
+
+
+KV8 = "kv_cache: {bits: 8, type: float, strategy: tensor}\n"
+
+
+@needs_vllm
+def test_an_fp8_kv_cache_is_served_as_fp8_or_refused_by_name(llama, engine, tmp_path):
+    """An artifact with kv_cache_scheme is served with kv_cache_dtype fp8; vLLM's CPU build runs that only with
+    AVX-512, so on an AVX2 CPU the engine refuses it in one line before vLLM loads it (W8A8 int8 weights: the scheme
+    this CPU serves)."""
+    artifact = quantize(llama, tmp_path / "kv", FORMATS["w8a8-int8"][0], "compressed-tensors", KV8)
+    if engine.kernels()["device"] == "cpu" and not engine.kernels().get("avx512"):
+        with pytest.raises(QuantkitError) as err:
+            against_quantkit(artifact, engine, tmp_path / "cache", generation=False)
+        assert str(err.value) == f"vllm: cannot serve {artifact}: {NO_FP8_KV}"
+        return
+    body = against_quantkit(artifact, engine, tmp_path / "cache", generation=False)
+    assert engine.info["kv_cache_dtype"].startswith("fp8")
+    assert abs(body["ppl"]["model"] / body["ppl"]["base"] - 1) < 0.01, body["ppl"]
+
+
+def test_which_artifacts_carry_an_fp8_kv_cache(tiny_factory, tmp_path):
+    model = tiny_factory("llama")
+    plain = quantize(model, tmp_path / "plain", FORMATS["w8a8-int8"][0], "compressed-tensors")
+    kv = quantize(model, tmp_path / "kv", FORMATS["w8a8-int8"][0], "compressed-tensors", KV8)
+    assert [fp8_kv_cache(json.loads((a / "config.json").read_text())) for a in (plain, kv)] == [False, True]

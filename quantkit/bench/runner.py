@@ -38,6 +38,7 @@ class BenchOptions:
     reps: int = 3
     compile: bool = False
     int4_backend: str = "auto"  # W4A16 on CPU: quantkit's AVX2 kernel when it builds, else PyTorch's
+    kv_budget: int = 2**30  # bytes of KV cache the capacity figure fills with sequences of prompt_len + gen_len
 
 
 def device_name(device: torch.device) -> str:
@@ -107,6 +108,21 @@ def ratios(runs: list[dict]) -> list[dict]:
     return out
 
 
+def kv_capacity(models: list[dict], context: int, budget: int) -> list[dict]:
+    """Each model's KV cache as a server stores it: bytes per token, and how many sequences of `context` tokens fit
+    in `budget` bytes (vs the original's, with --baseline)."""
+    base = next((m["kv_cache"] for m in models if m["name"] == "base"), None)
+    out = []
+    for m in models:
+        per_token = m["kv_cache"]["bytes_per_token"]
+        row = {"name": m["name"], "path": m["path"], "dtype": m["kv_cache"]["dtype"], "bytes_per_token": per_token,
+               "context": context, "budget_bytes": budget, "sequences": budget // (per_token * context)}
+        if base is not None:
+            row["capacity_ratio"] = base["bytes_per_token"] / per_token
+        out.append(row)
+    return out
+
+
 def run_bench(artifacts: list[str], o: BenchOptions, rep: Reporter) -> dict:
     device = pick_device(o.device)
     dtype, base_dtype = auto_dtype(o.dtype, device), auto_dtype(o.baseline_dtype, device)
@@ -131,6 +147,7 @@ def run_bench(artifacts: list[str], o: BenchOptions, rep: Reporter) -> dict:
         "models": models,
         "runs": runs,
         "ratios": ratios(runs),
+        "kv_capacity": kv_capacity(models, o.prompt_len + o.gen_len, o.kv_budget),
         "roofline": [diagnose(r, copy_bw, flops) for r in runs],
     }
 
@@ -164,6 +181,14 @@ def markdown(body: dict) -> str:
         for q in body["ratios"]:
             lines.append(f"| {label(q['path'])} | {q['variant']} | {q['batch']} | {q['decode_speedup']:.2f}× | {q['prefill_speedup']:.2f}× "
                          f"| {100 * q['weight_bytes_ratio']:.1f} % | {100 * q['peak_mem_ratio']:.1f} % |")
+    if body.get("kv_capacity"):
+        k0 = body["kv_capacity"][0]
+        lines += ["", f"| model | path | KV cache | bytes / token | sequences of {k0['context']} tokens in "
+                      f"{k0['budget_bytes'] / 2**30:g} GiB | vs base |", "|---|---|---|---:|---:|---:|"]
+        for k in body["kv_capacity"]:
+            ratio = f"{k['capacity_ratio']:.2f}×" if "capacity_ratio" in k else "–"
+            lines.append(f"| {k['name']} | {label(k['path'])} | {k['dtype']} | {k['bytes_per_token']:,} "
+                         f"| {k['sequences']:,} | {ratio} |")
     lines += [""] + [f"- {d['name']} {label(d['path'])} {d['variant']} batch {d['batch']}: {d['bound']} — {d['why']}"
                      + (f"; GPU busy {d['gpu_util_pct']:.0f} % of the time" if d.get("gpu_util_pct") is not None else "")
                      for d in body["roofline"]]

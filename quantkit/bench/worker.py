@@ -122,8 +122,14 @@ def bench(spec: WorkerSpec, rep: Reporter) -> dict:
             runs.append(run)
             rep.info(f"[{spec.name}] {variant} batch {batch}: prefill {run['prefill_tok_s']['median']:.1f} tok/s, "
                      f"decode {run['decode_tok_s']['median']:.1f} tok/s ({run['ms_per_token']['median']:.2f} ms/step)")
+    from ..runtime import kv_cache_scheme
+
+    # what a serving engine keeps per token: 16-bit keys and values, or 8-bit ones with an FP8 KV cache
+    fp8 = kv_cache_scheme(spec.path) is not None
+    kv = {"dtype": "fp8_e4m3" if fp8 else "16-bit",
+          "bytes_per_token": kv_cache_bytes(model.config, 1, 1, torch.float8_e4m3fn if fp8 else torch.float16)}
     return {"name": spec.name, "path": spec.path, "dtype": spec.dtype, "kernels": kernels_used(model, device),
-            "weight_bytes": sizes["total"], "runs": runs}
+            "weight_bytes": sizes["total"], "kv_cache": kv, "runs": runs}
 
 
 def main() -> None:

@@ -69,6 +69,11 @@ def serving_dtype(config: dict) -> str:
 NO_WNA16 = ("vLLM's CPU build has no kernel for weight-only integer formats (gptq, awq, compressed-tensors W4A16) "
             "on this CPU: cpu_gemm_wna16 is only in its AVX-512 extensions, and this CPU has AVX2")
 
+# An FP8 KV cache (compressed-tensors kv_cache_scheme) is served with kv_cache_dtype fp8, which the x86 CPU build
+# runs only with AVX-512; on AVX2 vLLM would keep a 16-bit cache (or stop), and measure something else than the artifact
+NO_FP8_KV = ("the artifact has an FP8 KV cache (kv_cache_scheme), and vLLM's CPU build runs an fp8 KV cache only "
+             "with AVX-512; this CPU has AVX2")
+
 # measured: a 64-long dot product of 127s gives 8160 instead of 1 032 256 on an AVX2 EPYC (workers/vllm_serve.py)
 INT8_INEXACT = ("vLLM's int8 GEMM on this CPU (oneDNN without VNNI) sums pairs of int8 products in int16, which "
                 "saturates: these W8A8 measurements are this machine's, worse than on a server with VNNI or a GPU")
@@ -107,6 +112,12 @@ def fp8_layout(config: dict) -> str | None:
         if a.get("type") == "float" and a.get("dynamic") is False:
             return "static"
     return None
+
+
+def fp8_kv_cache(config: dict) -> bool:
+    """Whether config.json's checkpoint carries an FP8 KV cache's k / v scales (served with kv_cache_dtype fp8)."""
+    kv = (config.get("quantization_config") or {}).get("kv_cache_scheme")
+    return isinstance(kv, dict) and kv.get("type") == "float" and kv.get("num_bits") == 8
 
 
 def moe(config: dict) -> bool:
@@ -159,9 +170,13 @@ class VllmEngine:
         refused = self.fp8_refusal(fp8_layout(config))
         if refused:
             raise QuantkitError(f"vllm: cannot serve {model}: {refused}")
+        kv = fp8_kv_cache(config)
+        if kv and self.kernels()["device"] == "cpu" and not self.kernels().get("avx512"):
+            raise QuantkitError(f"vllm: cannot serve {model}: {NO_FP8_KV}")
         self.info = self._call({"op": "load", "model": str(Path(model).resolve()), "dtype": dtype,
                                 "max_model_len": max_model_len, "max_logprobs": max_logprobs,
-                                "max_num_seqs": max_num_seqs}, f"vLLM refused {model}")
+                                "max_num_seqs": max_num_seqs, "kv_cache_dtype": "fp8" if kv else "auto"},
+                               f"vLLM refused {model}")
         if int8_activations(config) and self.kernels().get("int8_exact") is False:
             self.info["warning"] = INT8_INEXACT
         elif weight_only_int(config) and self.kernels()["device"] == "cpu":

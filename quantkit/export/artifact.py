@@ -203,6 +203,13 @@ class ArtifactWriter:
             check_finite(self.names(name), t)  # an embedding, norm or head: no Linear check saw it
             self.shards.add(self.names(name), t)
 
+    def add_extra(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Tensors of no Linear (the KV cache's k / v scales), kept in their dtype, after the model's own: both
+        paths add them last, so they cut the same shards."""
+        for name, t in tensors.items():
+            check_finite(self.names(name), t)
+            self.shards.add(self.names(name), t)
+
     def finish(self, config, tokenizer, generation_config, manifest: dict) -> Path:
         """config: the model's PretrainedConfig; writes config.json with the format's quantization_config."""
         self.shards.close()
@@ -240,10 +247,12 @@ def write_artifact(
     manifest: dict,
     overwrite: bool = False,
     names=None,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """The in-memory path: the whole quantized model written at once."""
+    """The in-memory path: the whole quantized model written at once; extra: ArtifactWriter.add_extra's."""
     with ArtifactWriter(dest, fmt, info, dtype, max_shard_bytes, overwrite, names) as writer:
         state = model.state_dict()
         for name in stored_keys(model):
             writer.add(name, state[name], qweights)
+        writer.add_extra(extra or {})
         return writer.finish(model.config, tokenizer, getattr(model, "generation_config", None), manifest)

@@ -27,6 +27,7 @@ class QuantInfo:
     act_strategy: str = "token"  # token | group (act_group columns per scale), both at run time | tensor (static)
     act_group: int | None = None
     act_observer: str = "minmax"  # how static input scales were chosen (algorithms/observers.py)
+    kv_cache: str | None = None  # None: a 16-bit KV cache; tensor | head: FP8 with k / v scales of that strategy
 
     @property
     def scheme(self) -> Scheme:

@@ -12,6 +12,11 @@
   <m>.input_scale   float32 [1]  FP8 static inputs only (the FP8 preset: input_activations dynamic false, tensor)
   Other inputs are quantized at run time (dynamic) per token, or per group of input_activations.group_size columns
   (FP8_BLOCK), so no input scale is stored.
+With an FP8 KV cache (any of those), per attention module `<a>` (`*.self_attn`), and `kv_cache_scheme` (8-bit float,
+symmetric, static, strategy tensor | attn_head) in the quantization_config, as llm-compressor writes them:
+  <a>.k_scale, <a>.v_scale  float32 [1] (tensor) | [kv_heads, 1, 1] (attn_head)
+  (llm-compressor keeps them in the model's dtype; vLLM reads them into float32 either way, and float32 keeps
+  amax / 448 exact.)
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
 
@@ -34,6 +39,7 @@ MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
 # the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
 STATIC_OBSERVERS = {"minmax": "static_minmax", "mse": "mse", "percentile": "percentile"}
+KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}  # QuantInfo.kv_cache -> kv_cache_scheme.strategy
 
 
 def encode_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -177,13 +183,23 @@ def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dty
                                            **({"observer": STATIC_OBSERVERS[info.act_observer]} if static else {})),
         format=fmt,
     )
+    return Encoded(tensors, _config(scheme, info, fmt))
+
+
+def kv_cache_scheme(strategy: str) -> QuantizationArgs:
+    """llm-compressor's FP8 KV cache: e4m3, symmetric, static scales."""
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, dynamic=False, strategy=KV_STRATEGIES[strategy])
+
+
+def _config(scheme: QuantizationScheme, info: QuantInfo, fmt: str) -> dict:
     config = QuantizationConfig(
         config_groups={"group_0": scheme},
         ignore=sorted(info.unquantized_linears),
         format=fmt,
         quantization_status="compressed",
+        kv_cache_scheme=None if info.kv_cache is None else kv_cache_scheme(info.kv_cache),
     )
-    return Encoded(tensors, config.model_dump(mode="json", exclude_none=False))
+    return config.model_dump(mode="json", exclude_none=False)
 
 
 def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
@@ -204,13 +220,8 @@ def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: t
         actorder="weight" if info.act_order else None,  # static groups: no g_idx needed
         observer="minmax",
     )
-    config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")},
-        ignore=sorted(info.unquantized_linears),
-        format="pack-quantized",
-        quantization_status="compressed",
-    )
-    return Encoded(tensors, config.model_dump(mode="json", exclude_none=False))
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    return Encoded(tensors, _config(scheme, info, "pack-quantized"))
 
 
 _ROW_SCALE = Part(FLOATS, lambda d: [[d.out, 1], [1]])  # W8A8: per channel, or per tensor as llm-compressor writes
@@ -238,6 +249,7 @@ class CompressedTensors(Format):
     bits = (4, 8)
     kinds = ("int", "float")
     weight_only = False
+    kv_cache = True
     loaders = [
         ("vLLM / SGLang", "vllm serve {path}"),
         ("transformers (with compressed-tensors)", "AutoModelForCausalLM.from_pretrained('{path}')"),

@@ -28,6 +28,7 @@ class Format(ABC):
     bits: ClassVar[tuple[int, ...]]  # weight widths it stores
     kinds: ClassVar[tuple[str, ...]] = ("int",)  # Scheme.kind values it stores
     weight_only: ClassVar[bool] = True  # False: also W8A8 (quantized activations)
+    kv_cache: ClassVar[bool] = False  # True: carries an FP8 KV cache's k / v scales (QuantInfo.kv_cache)
     loaders: ClassVar[list[tuple[str, str]]] = []  # (who, how with '{path}') for the model card
 
     def check_scheme(self, scheme: Scheme) -> tuple[str, str] | None:

@@ -56,12 +56,14 @@ def quantize(
     ranks: Ranks = Ranks(),
     moe_args: MoE = MoE(),
     offload: Offload = Offload(),
+    observers: Sequence = (),
 ) -> QuantResult:
     """stage: the weight stage; transforms: the transform stages before it, in recipe order; checkpoints: where
     the layer-wise run saves each finished block and resumes from (None: no checkpoints); source: where each block's
     weights come from and where a finished block goes (None: `model` is in memory); ranks: the processes sharing
     the calibration (a single one by default); moe_args: how experts are calibrated; offload: where the hidden
-    states between blocks live and how many windows a block forward takes."""
+    states between blocks live and how many windows a block forward takes; observers: what else the quantized blocks'
+    forwards measure for the artifact (observers.py), their tensors added to result.extra_tensors."""
     source = source or InMemory()
     prefix, targets, info = plan(model, stage, formats, transforms)
     # AWQ as the weight stage: its pass scales and clips each block, then the method rounds on its grid (_round_weights)
@@ -75,7 +77,7 @@ def quantize(
         for note in p.notes:
             report.warn(f"{p.name}: {note}")
     result = QuantResult({}, info)
-    if not stage.calibrated and not passes:  # no data needed: one sweep over the weights, block by block
+    if not stage.calibrated and not passes and not observers:  # no data: one sweep over the weights, by block
         with report.timed("rtn"), torch.no_grad():
             for i, block in enumerate(decoder_blocks(model)[1]):
                 source.load(i, block, device)
@@ -87,7 +89,9 @@ def quantize(
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
         _layerwise(model, stage, passes, calib, device, prefix, targets, result, report, checkpoints, source, ranks,
-                   moe_args, offload)
+                   moe_args, offload, observers)
+        for o in observers:
+            result.extra_tensors |= o.tensors()
     for p in passes:
         report.info(p.summary())
     result.timings = dict(report.timings)
@@ -96,7 +100,7 @@ def quantize(
 
 def _layerwise(model, stage, passes, calib, device, prefix, targets, result: QuantResult, report: Reporter,
                checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks,
-               moe_args: MoE, offload: Offload) -> None:
+               moe_args: MoE, offload: Offload, observers: Sequence) -> None:
     _, blocks = decoder_blocks(model)
     tokens = ranks.share(calib.tokens)
     if tokens.shape[0] == 0:
@@ -104,7 +108,9 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
                             "every process needs at least one")
     hidden = HiddenStates(offload.where, device, tokens.shape[0], offload.batch_size or tokens.shape[0],
                          offload.folder)
-    micro = microbatches.size(tokens.shape[0], tokens.shape[1])
+    # an observer's max reads the states' last bits, which depend on how many rows a matmul gets (microbatches.py):
+    # one window per forward, so in-memory, batched and multi-process runs observe the same bits
+    micro = 1 if observers else microbatches.size(tokens.shape[0], tokens.shape[1])
     try:
         with report.timed("capture"), source.capture():
             calls = {}  # windows in a batch -> each block's call arguments (masks, rotary embeddings) at that size
@@ -131,7 +137,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
             + ("" if hidden.one_batch and offload.where == "device" else f", {offload.describe(tokens.shape[0])}")
         )
         _blocks(model, blocks, stage, passes, device, prefix, targets, result, report, checkpoints, source, ranks,
-                moe_args, hidden, calls, micro)
+                moe_args, hidden, calls, micro, observers)
     except BaseException:
         if checkpoints is not None:
             checkpoints.salvage()
@@ -142,7 +148,7 @@ def _layerwise(model, stage, passes, calib, device, prefix, targets, result: Qua
 
 def _blocks(model, blocks, stage, passes, device, prefix, targets, result: QuantResult, report: Reporter,
             checkpoints: BlockCheckpoints | None, source: "InMemory | Streamed", ranks: Ranks, moe_args: MoE,
-            hidden: HiddenStates, calls: dict, micro: int) -> None:
+            hidden: HiddenStates, calls: dict, micro: int, observers: Sequence) -> None:
     """micro: windows per micro-batch (microbatches.py): every forward of a block runs a few windows at a time."""
     # Linears (by name inside a block) that read one input, for each kind of block (its Linears' names), learned
     # from one window through the first block of that kind (gptq.shared_inputs)
@@ -154,9 +160,16 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
         for p, counters in zip(passes, extra.get("passes", [])):
             for k, v in counters.items():
                 setattr(p, k, v)
+        for o, state in zip(observers, extra.get("observers", [])):
+            o.restore(state)
         first = checkpoints.state["done"] + 1
         report.info(f"resuming after block {first}/{len(blocks)} from {checkpoints.folder}")
     start = time.perf_counter()
+
+    def observing(i: int, block: nn.Module) -> list:
+        """The observers' hooks, for the forward whose output is the next block's input (the quantized block's)."""
+        return [h for o in observers for h in o.attach(f"{prefix}.{i}.", block)]
+
     for i, block in enumerate(blocks):
         if i < first:
             continue
@@ -224,7 +237,10 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
             if stage.method.solves and hidden.one_batch:
                 # in step only where every micro-batch calls the same Linears (no experts) and no smoothing folds
                 # a scale inside the forward
+                # (all windows at once otherwise: then an observer's max may differ in its last bits between runs
+                # of different process counts)
                 step = micro if not experts and inline is None else None
+                handles = [*handles, *observing(i, block)]
                 run_all(lambda x: gptq.one_forward(run, x, names, stage.args, result, report, ranks, kind,
                                               f"{prefix}.{i}.", moe_args, step, hidden.spill))
             else:
@@ -237,6 +253,7 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                     if result.info.act_strategy == "tensor":
                         with report.timed("observe"):
                             _observe_inputs(in_micro_batches(run), hidden, names, stage, result, ranks)
+                handles = [*handles, *observing(i, block)]
                 with report.timed("forward"):
                     run_all(in_micro_batches(_act_quant_hooks(run, names, result)))
         finally:
@@ -244,10 +261,14 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 handle.remove()
         for warning in inline_warnings():
             report.warn(warning)
+        for o in observers:
+            o.close(f"{prefix}.{i}.", ranks)
         block.to("cpu")
         if checkpoints is not None:
             with report.timed("checkpoint"):
                 extra = {"passes": [{k: getattr(p, k) for k in p.counters} for p in passes]}
+                if observers:
+                    extra["observers"] = [o.state() for o in observers]
                 # not kept in a local: the block's codes would stay alive through the next block
                 checkpoints.save(i, block, {n: result.qweights[n] for n in names.values()},
                                  {n: result.losses[n] for n in names.values()}, hidden, extra)

@@ -24,7 +24,7 @@ from ..recipe import Recipe, parse_size
 from ..resources import host_available, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ..untrusted import check_finite, check_positions
 from ..versions import package_versions
-from . import calibration, distributed, memory, pipeline, targets as target_plan, transforms
+from . import calibration, distributed, memory, observers, pipeline, targets as target_plan, transforms
 from .hidden import FOLDER as ACTIVATIONS
 from .hidden import Offload
 from .resume import FOLDER as RESUME
@@ -74,6 +74,8 @@ def plan_run(recipe: Recipe, device: torch.device, report: Reporter, local_ranks
     moe.unfuse(skeleton)  # what the pipeline will quantize (Streamed has unfused its own)
     _, blocks = decoder_blocks(skeleton)
     _, targets, info = target_plan.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)
+    observers.check_model(skeleton, recipe)
+    info = replace(info, kv_cache=recipe.kv_cache and recipe.kv_cache.strategy)
     files = (0, False) if streamed else memory.weight_files(folder, gguf)
     host_free = host_available() // local_ranks
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
@@ -231,7 +233,9 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
                                 for fmt, dest in dests.items()}
         with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
             result = pipeline.quantize(model, recipe.stage, calib, device, recipe.export.formats, report,
-                                       recipe.transforms, checkpoints, source, ranks, recipe.moe, offload)
+                                       recipe.transforms, checkpoints, source, ranks, recipe.moe, offload,
+                                       observers.build(recipe))
+        result.info = replace(result.info, kv_cache=planned.info.kv_cache)
         manifest = {
             "quantkit_version": versions["quantkit"],
             "recipe": recipe.model_dump(mode="json"),
@@ -247,12 +251,13 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
             with report.timed("export"):
                 streamed.finish()
                 for fmt, writer in streamed.writers.items():
+                    writer.add_extra(result.extra_tensors)
                     writer.finish(model.config, tokenizer, streamed.generation_config, manifest)
                     report.info(f"wrote {fmt}: {dests[fmt]}")  # each path as soon as that folder is complete
         for fmt, dest in dests.items() if streamed is None and ranks.rank == 0 else ():
             with report.timed(f"export:{fmt}"):
                 write_artifact(dest, fmt, model, tokenizer, result.qweights, result.info, dtype, shard_bytes,
-                               manifest, overwrite or unfinished, names)
+                               manifest, overwrite or unfinished, names, result.extra_tensors)
             report.info(f"wrote {fmt}: {dest} ({report.timings[f'export:{fmt}']:.1f} s)")
     if checkpoints is not None and ranks.rank == 0:
         checkpoints.clear()  # every artifact is complete: nothing left to resume

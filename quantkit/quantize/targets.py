@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..algorithms.grid import GridSpec
@@ -25,6 +26,7 @@ class QuantResult:
     losses: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens each GPTQ Hessian summed
     timings: dict[str, float] = field(default_factory=dict)
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the observers' (KV cache scales), by name
 
 
 def plan(

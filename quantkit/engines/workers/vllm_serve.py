@@ -4,8 +4,9 @@ driver keeps as the worker's log. Only the standard library, torch and vllm are 
 lm_eval_tasks.py loaded by its path, for tasks): this file runs under the vLLM venv's interpreter, where
 quantkit is not installed.
 
-Requests: {"op": "kernels"}, {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs"}, {"op":
-"prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts": [[ids]], "max_tokens", "ignore_eos"},
+Requests: {"op": "kernels"}, {"op": "load", "model", "dtype", "max_model_len", "max_logprobs", "max_num_seqs",
+"kv_cache_dtype"}, {"op": "prompt_logprobs", "windows": FILE, "top_k", "out": FILE}, {"op": "generate", "prompts":
+[[ids]], "max_tokens", "ignore_eos"},
 {"op": "bench", "concurrency": [n], "prompt_len", "gen_len", "reps"}, {"op": "tasks", "model", "dtype",
 "max_model_len", "batch_size", "tasks", "limit", "num_fewshot", "task_module", "data"}. A reply is {"ok": true, ...} or
 {"error": "one line"}.
@@ -40,9 +41,10 @@ def load(state: dict, req: dict) -> dict:
     _drop(state)
     state["llm"] = LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["max_model_len"],
                        max_logprobs=req["max_logprobs"], enforce_eager=True, max_num_seqs=req.get("max_num_seqs", 16),
-                       seed=0, trust_remote_code=False)
+                       seed=0, trust_remote_code=False, kv_cache_dtype=req.get("kv_cache_dtype", "auto"))
     config = state["llm"].llm_engine.model_config
-    return {"vllm": vllm.__version__, "quantization": config.quantization, "dtype": str(config.dtype)}
+    return {"vllm": vllm.__version__, "quantization": config.quantization, "dtype": str(config.dtype),
+            "kv_cache_dtype": str(state["llm"].llm_engine.vllm_config.cache_config.cache_dtype)}
 
 
 def kernels(state: dict, req: dict) -> dict:
@@ -55,7 +57,8 @@ def kernels(state: dict, req: dict) -> dict:
     current_platform.import_kernels()
     # AMX: vLLM's CPU MoE kernels need it (fused_moe/experts/cpu_moe.py)
     out = {"device": current_platform.device_type, "wna16": hasattr(torch.ops._C, "cpu_gemm_wna16"),
-           "amx": torch.cpu._is_amx_tile_supported()}
+           "amx": torch.cpu._is_amx_tile_supported(),
+           "avx512": torch.backends.cpu.get_cpu_capability().startswith("AVX512")}
     if hasattr(torch.ops._C, "onednn_scaled_mm"):
         from vllm import _custom_ops as ops
 
