@@ -34,16 +34,16 @@ STAGES = {
     "W4A16_KV_FP8": ("{bits: 4, group_size: 128, sym: true}", "kv_cache: {bits: 8, type: float, strategy: tensor}\n"),
 }
 # The lead removes an entry when the scheme's branch is merged.
-NOT_ON_MAIN = {"FP8": "static FP8 (fp8schemes)", "FP8_BLOCK": "FP8 block (fp8schemes)",
-               "NVFP4A16": "NVFP4A16 (fp4schemes)", "MXFP4A16": "MXFP4A16 (fp4schemes)",
-               "W4A16_KV_FP8": "FP8 KV cache (kvcache)"}
+NOT_ON_MAIN = {"NVFP4A16": "NVFP4A16 (fp4schemes)", "MXFP4A16": "MXFP4A16 (fp4schemes)"}
 # (preset, method) -> the one line quantkit refuses the recipe with, where it deliberately does not quantize as the
 # peer does (exit 2, nothing written)
-FP8_RTN_ONLY = "float (FP8) weights are rounded to nearest; use rtn with type: float"
+FP8_RTN_ONLY = "per-channel or per-tensor FP8 is rounded to nearest: use rtn with type: float"
 REFUSED = {
-    ("FP8_DYNAMIC", "gptq"): FP8_RTN_ONLY, ("FP8", "gptq"): FP8_RTN_ONLY, ("FP8_BLOCK", "gptq"): FP8_RTN_ONLY,
-    # llm-compressor writes a partial block (one [1, 1] scale for k_proj's [64, 128]); fp8schemes refuses a block
-    # that does not tile a Linear (as of its 1166db7): the lead decides at merge
+    ("FP8_DYNAMIC", "gptq"): FP8_RTN_ONLY, ("FP8", "gptq"): FP8_RTN_ONLY,
+    # the peer's GPTQ over FP8 blocks takes actorder static; quantkit solves blocks in column order only
+    ("FP8_BLOCK", "gptq"): "FP8 block weights are solved in column order; act_order: false",
+    # llm-compressor writes a partial block (one [1, 1] scale for k_proj's [64, 128]); quantkit refuses a block that
+    # does not tile a Linear, in one line, rather than write a scale for a block that is not there
     ("FP8_BLOCK", "rtn"): "block: [128, 128] does not tile model.layers.0.self_attn.k_proj [64, 128]",
 }
 
