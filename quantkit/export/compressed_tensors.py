@@ -9,6 +9,7 @@
   <m>.weight        int8 (signed code) | float8_e4m3fn  [out, in]
   <m>.weight_scale  [out, 1]  (FP8: float32)
   Activations are quantized per token at run time (dynamic), so no input scale is stored.
+`nvfp4-pack-quantized` / `mxfp4-pack-quantized` (NVFP4A16 / MXFP4A16): export/ct_fp4.py.
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
 
@@ -20,13 +21,14 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from ..algorithms.grid import INT8_CHANNEL
 from ..errors import QuantkitError
 from ..algorithms.scheme import QuantizedTensor
-from . import packing
+from . import ct_fp4, packing
 from .base import Encoded, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
 from .layout import FLOATS, I32, I64, Layout, Part, packed
 from .registry import Format, register
 
 PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
 MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
+MARKERS |= {fmt: "weight_packed" for fmt in ct_fp4.PRESET}  # FP4: export/ct_fp4.py
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
 
@@ -101,6 +103,8 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
         return decode_int_module(t)
     if fmt == FLOAT:
         return decode_float_module(t)
+    if fmt in ct_fp4.PRESET:
+        return ct_fp4.decode_module(t, fmt)
     # quantkit (and llm-compressor's W4A16 presets) write a single config group targeting Linear
     w = next(iter(qcfg["config_groups"].values()))["weights"]
     bits, sym = int(w["num_bits"]), bool(w["symmetric"])
@@ -156,6 +160,8 @@ def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dty
 def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
     if info.activations is not None:
         return encode_w8a8(qweights, info, scale_dtype)
+    if info.scheme.kind == "fp4":
+        return ct_fp4.encode(qweights, info)
     tensors = {
         f"{name}.{suffix}": t
         for name, qw in qweights.items()
@@ -198,7 +204,7 @@ PARTS = {
 class CompressedTensors(Format):
     name = "compressed-tensors"
     bits = (4, 8)
-    kinds = ("int", "float")
+    kinds = ("int", "float", "fp4")
     weight_only = False
     loaders = [
         ("vLLM / SGLang", "vllm serve {path}"),
@@ -218,6 +224,8 @@ class CompressedTensors(Format):
 
     def layout(self, qcfg: dict) -> Layout:
         kind = format_of(qcfg)
+        if kind in ct_fp4.PRESET:
+            return Layout(kind, ct_fp4.parts(kind), 4, ct_fp4.SPECS[ct_fp4.PRESET[kind]].group_size)
         if kind != PACKED:
             return Layout(kind, PARTS[kind], 8, -1)
         w = next(iter(qcfg["config_groups"].values()))["weights"]

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..algorithms.grid import GridSpec
 from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
 from ..export import formats as format_registry
@@ -33,7 +32,7 @@ def plan(
     """Which Linear layers get quantized, checked against the grid and the formats before any work.
     transforms: the stages before the weight stage (its position in error messages, the method's name)."""
     args, path = stage.weights, f"stages.{len(transforms)}.{stage.name}"
-    spec = GridSpec(args.bits, args.group_size, args.sym)
+    spec = args.grid
     scheme = scheme_of(spec, None if args.activations is None else args.activations.kind)
     routers = pooled("routers")  # asked now: a family registered after import may add router names
     prefix, blocks = decoder_blocks(model)
@@ -46,6 +45,9 @@ def plan(
     if not targets:
         raise QuantkitError(f"{path}.ignore: every Linear layer is ignored; nothing to quantize")
     for name, m in targets.items():
+        if args.type == "fp4" and m.in_features % args.group_size:
+            raise QuantkitError(f"{path}.scheme: {spec.preset} needs in_features a multiple of {args.group_size} "
+                                f"(its group size); {name} has {m.in_features}")
         if args.group_size != -1 and m.in_features % args.group_size:
             divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
             raise QuantkitError(

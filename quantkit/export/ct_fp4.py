@@ -1,0 +1,69 @@
+"""compressed-tensors' FP4 layouts, as its NVFP4PackedCompressor / MXFP4PackedCompressor write them
+(formats `nvfp4-pack-quantized`, `mxfp4-pack-quantized`), per quantized Linear `<m>`:
+  <m>.weight_packed        uint8 [out, in/2]   two e2m1 codes a byte, the even column in the low nibble
+  <m>.weight_scale         [out, in/group]     float8_e4m3fn (NVFP4, groups of 16) | uint8 e8m0 exponent (MXFP4, 32)
+  <m>.weight_global_scale  float32 [1]         NVFP4 only: the group scales are divided by it
+Packing and unpacking are compressed-tensors' pack_fp4_to_uint8 / unpack_fp4_from_uint8; the quantization_config is
+its preset's QuantizationArgs.
+"""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+from ..algorithms.fp4 import SPECS, VALUES, Fp4Spec, Fp4Weight, codes_of
+from ..algorithms.grid import row_steps
+from ..errors import QuantkitError
+from .base import Encoded, QuantInfo
+from .layout import Part
+
+FORMAT = {"NVFP4A16": "nvfp4-pack-quantized", "MXFP4A16": "mxfp4-pack-quantized"}  # preset -> format
+PRESET = {fmt: preset for preset, fmt in FORMAT.items()}
+
+
+def encode_module(qw: Fp4Weight) -> dict[str, torch.Tensor]:
+    out, cols = qw.shape
+    packed = torch.empty(out, cols // 2, dtype=torch.uint8)
+    for r in row_steps(out, cols):  # the float values of a few rows at a time
+        packed[r] = pack_fp4_to_uint8(VALUES[qw.codes[r].long()])
+    t = {"weight_packed": packed, "weight_scale": qw.scale.contiguous()}
+    return t if qw.global_scale is None else t | {"weight_global_scale": qw.global_scale.float().reshape(1)}
+
+
+def decode_module(t: dict[str, torch.Tensor], fmt: str) -> Fp4Weight:
+    spec = SPECS[PRESET[fmt]]
+    packed, scale = t["weight_packed"], t["weight_scale"]
+    if packed.dtype != torch.uint8 or scale.dtype != spec.scale_dtype:
+        raise QuantkitError(f"weight_packed / weight_scale: {fmt} stores uint8 / {spec.scale_dtype}, got "
+                            f"{packed.dtype} / {scale.dtype}")
+    out, half = packed.shape
+    codes = torch.empty(out, 2 * half, dtype=torch.uint8)
+    for r in row_steps(out, 2 * half):
+        rows = packed[r]
+        codes[r] = codes_of(unpack_fp4_from_uint8(rows, rows.shape[0], 2 * half, dtype=torch.float32))
+    return Fp4Weight(codes, scale, spec, t.get("weight_global_scale"))
+
+
+def encode(qweights: dict[str, Fp4Weight], info: QuantInfo) -> Encoded:
+    spec: Fp4Spec = info.spec
+    fmt = FORMAT[spec.preset]
+    tensors = {}
+    for name, qw in qweights.items():
+        if not isinstance(qw, Fp4Weight) or qw.spec != spec:
+            raise QuantkitError(f"{name}: {fmt} needs {spec.preset} weights, got {type(qw).__name__}")
+        tensors.update({f"{name}.{suffix}": t for suffix, t in encode_module(qw).items()})
+    scheme = QuantizationScheme(targets=["Linear"], weights=spec.args, format=fmt)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=sorted(info.unquantized_linears),
+                                format=fmt, quantization_status="compressed")
+    return Encoded(tensors, config.model_dump(mode="json", exclude_none=False))
+
+
+def parts(fmt: str) -> dict[str, Part]:
+    spec = SPECS[PRESET[fmt]]
+    p = {"weight_packed": Part((torch.uint8,), lambda d: [[d.out, d.cols // 2]]),
+         "weight_scale": Part((spec.scale_dtype,), lambda d: [[d.out, d.groups]])}
+    if spec.global_scale:
+        p["weight_global_scale"] = Part((torch.float32,), lambda d: [[1]])
+    return p
