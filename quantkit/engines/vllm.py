@@ -69,6 +69,10 @@ def serving_dtype(config: dict) -> str:
 NO_WNA16 = ("vLLM's CPU build has no kernel for weight-only integer formats (gptq, awq, compressed-tensors W4A16) "
             "on this CPU: cpu_gemm_wna16 is only in its AVX-512 extensions, and this CPU has AVX2")
 
+# vLLM's CPU platform has no FP4 linear method (its NVFP4 / MXFP4 schemes are CUDA kernels: Marlin, CUTLASS)
+NO_FP4 = ("vLLM's CPU build has no kernel for FP4 weights (NVFP4A16, MXFP4A16): its FP4 schemes run on CUDA GPUs "
+          "only; quantkit's runtime runs them (dequantized)")
+
 # measured: a 64-long dot product of 127s gives 8160 instead of 1 032 256 on an AVX2 EPYC (workers/vllm_serve.py)
 INT8_INEXACT = ("vLLM's int8 GEMM on this CPU (oneDNN without VNNI) sums pairs of int8 products in int16, which "
                 "saturates: these W8A8 measurements are this machine's, worse than on a server with VNNI or a GPU")
@@ -91,6 +95,13 @@ W4A8 = ("VLLM_CPU_INT4_W4A8 is set: vLLM runs this W4A16 artifact in bfloat16 on
 def moe(config: dict) -> bool:
     """Whether config.json describes a mixture-of-experts model (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek)."""
     return any((config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def fp4_weights(config: dict) -> bool:
+    """Whether config.json's quantized Linears hold FP4 (e2m1) weights."""
+    groups = (config.get("quantization_config") or {}).get("config_groups", {})
+    return any(isinstance(g, dict) and (g.get("weights") or {}).get("type") == "float"
+               and (g.get("weights") or {}).get("num_bits") == 4 for g in groups.values())
 
 
 def weight_only_int(config: dict) -> bool:
@@ -133,6 +144,8 @@ class VllmEngine:
         `warning` where this CPU's kernels make the measurements worse than a server's."""
         path = Path(model) / "config.json"
         config = json.loads(path.read_text()) if path.is_file() else {}
+        if fp4_weights(config):
+            raise QuantkitError(f"vllm: cannot serve {model}: {NO_FP4}")
         if weight_only_int(config) and not self.has_wna16():
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_WNA16}")
         self.info = self._call({"op": "load", "model": str(Path(model).resolve()), "dtype": dtype,
