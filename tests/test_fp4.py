@@ -18,7 +18,7 @@ from conftest import run_cli, write_recipe
 from tiny_models import make_tiny_model
 
 from quantkit import runtime
-from quantkit.algorithms.fp4 import SPECS, Fp4Weight, fp4_rtn
+from quantkit.algorithms.fp4 import FUSED, SPECS, Fp4Weight, fp4_rtn
 from quantkit.algorithms.gptq import GPTQ
 from quantkit.algorithms.scheme import QuantizedTensor
 from quantkit.export import ct_fp4
@@ -37,11 +37,12 @@ def weight(rows: int = 64, cols: int = 256, dtype=torch.float32, seed: int = 0) 
     return w.to(dtype)
 
 
-def reference(w: torch.Tensor, preset: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """compressed-tensors on w, as llm-compressor's min-max observer feeds it: fake_quantize's weight, and what its
-    compressor writes."""
+def reference(w: torch.Tensor, preset: str, fused: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, dict]:
+    """compressed-tensors on w, as llm-compressor's min-max observer feeds it (its global scale over the weights
+    of w's fused layer, `fused`, where it has one): fake_quantize's weight, and what its compressor writes."""
     spec = SPECS[preset]
-    gs = generate_gparam(*(t.reshape(1) for t in torch.aminmax(w))) if spec.global_scale else None
+    together = torch.cat([t.flatten() for t in (w, *fused)])
+    gs = generate_gparam(*(t.reshape(1) for t in torch.aminmax(together))) if spec.global_scale else None
     groups = w.unflatten(-1, (-1, spec.group_size))
     scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), spec.args, global_scale=gs)
     state = {"weight": w, "weight_scale": scale} | ({} if gs is None else {"weight_global_scale": gs})
@@ -108,6 +109,7 @@ def quantize(model: Path, out: Path, stage: str, formats=("compressed-tensors",)
 @pytest.mark.parametrize("stage,preset,bound", [
     ("rtn: {scheme: NVFP4A16, ignore: [lm_head]}", "NVFP4A16", 5e-3),
     ("gptq: {scheme: MXFP4A16}", "MXFP4A16", 0.0),
+    ("gptq: {scheme: NVFP4A16}", "NVFP4A16", 5e-3),
 ])
 def test_artifact_loads_in_quantkit_and_transformers(stage, preset, bound, tiny_factory, tmp_path):
     """The artifact holds exactly the weights the run made; transformers (compressed-tensors decompressing) computes
@@ -131,7 +133,15 @@ def test_artifact_loads_in_quantkit_and_transformers(stage, preset, bound, tiny_
         for suffix, t in ct_fp4.encode_module(qw).items():
             assert torch.equal(t.view(torch.uint8), stored[f"{name}.{suffix}"].view(torch.uint8)), name
         if stage.startswith("rtn"):  # and RTN's are compressed-tensors' on the original weight
-            assert torch.equal(qw.dequantize(), reference(original[f"{name}.weight"], preset)[0])
+            parent, _, leaf = name.rpartition(".")
+            fused = next((g for g in FUSED if leaf in g), ())  # q/k/v, gate/up: one global scale (NVFP4)
+            assert torch.equal(qw.dequantize(), reference(original[f"{name}.weight"], preset,
+                                                          tuple(original[f"{parent}.{m}.weight"] for m in fused))[0])
+    if SPECS[preset].global_scale:
+        scales = {n.split(".")[-2]: float(t) for n, t in stored.items() if n.startswith("model.layers.0.")
+                  and n.endswith("weight_global_scale")}
+        assert scales["q_proj"] == scales["k_proj"] == scales["v_proj"] != scales["o_proj"]
+        assert scales["gate_proj"] == scales["up_proj"] != scales["down_proj"]
     assert verify(art).ok
     ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

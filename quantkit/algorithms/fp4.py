@@ -7,15 +7,22 @@ functions (calculate_qparams, generate_gparam, cast_to_fp4), fed the min and max
 dtype as llm-compressor's observer does, so a round-to-nearest weight is what compressed-tensors' fake_quantize
 gives on it, bit for bit (tests/test_fp4.py).
 
+NVFP4's global scale is shared by the Linears a loader runs as one (q/k/v, gate/up: FUSED, llm-compressor's
+FUSED_LAYER_NAMES): vLLM keeps one global scale per fused layer (the largest of its shards'), so each member's
+group scales must be made over the same one, taken from the members' float weights together (`fuse`,
+`global_scale_for`).
+
 Codes are one e2m1 value per byte here (sign << 3 | magnitude index, the nibble compressed-tensors packs), so the
 packers, the resume checkpoint and parking handle them as the int kinds' codes.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from compressed_tensors.compressors.mx_utils import compress_mx_scale, decompress_mx_scale
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.quant_scheme import MXFP4A16, NVFP4A16
@@ -135,6 +142,49 @@ def global_scale_of(weight: torch.Tensor, spec: Fp4Spec) -> torch.Tensor | None:
     return generate_gparam(lo.reshape(1), hi.reshape(1))
 
 
+# Linears a loader fuses into one layer, by their names under one parent (llm-compressor's FUSED_LAYER_NAMES)
+FUSED = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+
+
+@dataclass
+class _Fused:
+    members: list[weakref.ref]  # the Linears of one fused layer
+    scale: torch.Tensor | None = None  # their global scale, once asked (from their float weights)
+
+
+_FUSED: weakref.WeakKeyDictionary[nn.Module, _Fused] = weakref.WeakKeyDictionary()  # a run's Linear -> its group
+
+
+def fuse(targets: dict[str, nn.Module]) -> None:
+    """Registers the fused layers among a run's targets (by name), two or more members each."""
+    groups: dict[tuple[str, tuple[str, ...]], list[nn.Module]] = {}
+    for name, module in targets.items():
+        parent, _, leaf = name.rpartition(".")
+        for names in FUSED:
+            if leaf in names:
+                groups.setdefault((parent, names), []).append(module)
+    for members in groups.values():
+        if len(members) > 1:
+            group = _Fused([weakref.ref(m) for m in members])
+            for m in members:
+                _FUSED[m] = group
+
+
+def global_scale_for(module: nn.Module, spec: Fp4Spec) -> torch.Tensor | None:
+    """The global scale module's weight is quantized over: its fused layer's, made from every member's weight at
+    the first member's quantization (none is quantized yet then: the members are rounded, or solved, together or
+    one after another before any of them runs), else its own."""
+    if not spec.global_scale:
+        return None
+    group = _FUSED.get(module)
+    if group is None:
+        return global_scale_of(module.weight.data, spec)
+    if group.scale is None:
+        ranges = torch.stack([torch.stack(torch.aminmax(ref().weight.data)) for ref in group.members])
+        group.scale = generate_gparam(ranges[:, 0].min().reshape(1), ranges[:, 1].max().reshape(1))
+    return group.scale.clone()  # each weight's own tensor: safetensors refuses tensors that share memory
+
+
 def group_scales(groups: torch.Tensor, spec: Fp4Spec, global_scale: torch.Tensor | None) -> torch.Tensor:
     """calculate_qparams' scale of each row of groups [..., group_size] (in their dtype), global_scale broadcast
     against the groups' leading dims."""
@@ -154,11 +204,12 @@ def codes_of(values: torch.Tensor) -> torch.Tensor:
     return _INDEX_OF_TWICE.to(values.device)[twice] | (torch.signbit(values).to(torch.uint8) << 3)
 
 
-def fp4_rtn(weight: torch.Tensor, spec: Fp4Spec) -> Fp4Weight:
-    """Round to nearest: each group's scale from its own min and max, the global scale from the whole weight's."""
+def fp4_rtn(weight: torch.Tensor, spec: Fp4Spec, global_scale: torch.Tensor | None = None) -> Fp4Weight:
+    """Round to nearest: each group's scale from its own min and max over the global scale (NVFP4; default: from the
+    whole weight's min and max)."""
     out, cols = weight.shape
     groups = spec.groups(cols)
-    gs = global_scale_of(weight, spec)
+    gs = global_scale_of(weight, spec) if global_scale is None else global_scale
     codes = torch.empty(out, cols, dtype=torch.uint8, device=weight.device)
     scale = torch.empty(out, groups, dtype=spec.scale_dtype, device=weight.device)
     for r in row_steps(out, cols):

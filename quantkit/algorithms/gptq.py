@@ -191,12 +191,15 @@ class GPTQ:
         return self.quantize_many([weight])[0]
 
     @torch.no_grad()
-    def quantize_many(self, weights: list[torch.Tensor], release: bool = False) -> list[tuple[QuantizedTensor, float]]:
+    def quantize_many(self, weights: list[torch.Tensor], release: bool = False,
+                      global_scales: list[torch.Tensor | None] | None = None) -> list[tuple[QuantizedTensor, float]]:
         """quantize() of each weight, in one pass over their stacked rows: GPTQ treats rows independently, so the
         codes and scales are each weight's own (bit-identical, tested), at the cost of one column loop.
         release: nothing reads the weights afterwards (the caller swaps the quantized ones in): each one's storage is
-        emptied as soon as it is copied, where the storage is the weight's own, so the solve does not hold it."""
-        grid = _Fp4Grid(self.spec, weights) if isinstance(self.spec, Fp4Spec) else _IntGrid(self.spec, self.find_params)
+        emptied as soon as it is copied, where the storage is the weight's own, so the solve does not hold it.
+        global_scales: NVFP4's, per weight (default: each from its own values)."""
+        grid = _Fp4Grid(self.spec, weights, global_scales) if isinstance(self.spec, Fp4Spec) else \
+            _IntGrid(self.spec, self.find_params)
         with _one_thread(self.hinv.device):  # thousands of tiny ops: CPU threads add only sync overhead
             codes, scale, zero, losses = self._quantize(weights, grid, release)
         out, start = [], 0
@@ -290,11 +293,11 @@ class _IntGrid:
 
 class _Fp4Grid:
     """The e2m1 grid: q holds e2m1 values (zero 0), each group's scale from calculate_qparams of its current
-    (error-updated) columns, over each weight's global scale taken from its original values (NVFP4)."""
+    (error-updated) columns, over each weight's global scale taken from original values (NVFP4)."""
 
-    def __init__(self, spec: Fp4Spec, weights: list[torch.Tensor]):
+    def __init__(self, spec: Fp4Spec, weights: list[torch.Tensor], global_scales: list | None):
         self.spec = spec
-        self.globals = [global_scale_of(w, spec) for w in weights]
+        self.globals = global_scales or [global_scale_of(w, spec) for w in weights]
         self.rows = None if not spec.global_scale else torch.cat(
             [g.expand(w.shape[0]) for g, w in zip(self.globals, weights)])
 

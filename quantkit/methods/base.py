@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from ..algorithms.fp4 import Fp4Spec, fp4_rtn
+from ..algorithms.fp4 import Fp4Spec, fp4_rtn, global_scale_for
 from ..algorithms.fp8 import fp8_quantize
 from ..algorithms.grid import STEP, GridSpec, row_steps
 from ..algorithms.rtn import rtn_quantize
@@ -67,7 +67,7 @@ def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec | Fp4Spec)
     if args.type == "float":
         qw = fp8_quantize(module.weight.data)
     elif isinstance(spec, Fp4Spec):
-        qw = fp4_rtn(module.weight.data, spec)
+        qw = fp4_rtn(module.weight.data, spec, global_scale_for(module, spec))
     else:
         qw = rtn_quantize(module.weight.data, spec, args.observer)
     deq = qw.dequantize(module.weight.dtype).to(module.weight.device)

@@ -84,6 +84,9 @@ class WeightQuant(Strict):
         if self.group_size not in (16, 32):
             raise error("group_size: fp4 weights need group_size: 16 (NVFP4A16) or 32 (MXFP4A16), got {g}",
                         g=self.group_size)
+        if self.observer != "minmax":
+            raise error("observer: fp4 group scales are compressed-tensors' min-max ones; drop observer: {o}",
+                        o=self.observer)
         if self.activations is not None:
             raise error("activations: fp4 weights are written weight-only (NVFP4A16, MXFP4A16); drop activations")
         return self

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..algorithms.fp4 import fuse
 from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
 from ..export import formats as format_registry
@@ -58,6 +59,8 @@ def plan(
             problem = format_registry.get(fmt).check_linear(scheme, name, m.out_features, m.in_features)
             if problem:
                 raise QuantkitError(problem)
+    if getattr(spec, "global_scale", False):
+        fuse(targets)  # NVFP4: q/k/v and gate/up share a global scale, as vLLM's fused layers need
     # float Linears, and MoE routers (some are not nn.Linear) so that no loader quantizes them
     unquantized = sorted(n for n, m in model.named_modules() if n not in targets and (
         isinstance(m, nn.Linear) or (n.rpartition(".")[2] in routers and getattr(m, "weight", None) is not None
