@@ -66,5 +66,5 @@ def trivial_g_idx(g_idx: torch.Tensor | None, span: int) -> torch.Tensor | None:
     return g_idx.long()
 
 
-__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "Fp4Weight", "Fp4Spec", "GridSpec", "Scheme", "scheme_of", "split_by_module",
-           "trivial_g_idx"]
+__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "Fp4Weight", "Fp4Spec", "GridSpec", "Scheme",
+           "scheme_of", "split_by_module", "trivial_g_idx"]
