@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..algorithms.fp4 import Fp4Spec, spec_for
@@ -90,6 +90,13 @@ class WeightQuant(Strict):
         if self.activations is not None:
             raise error("activations: fp4 weights are written weight-only (NVFP4A16, MXFP4A16); drop activations")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        # a recipe without a preset dumps as before presets existed: its quantkit.json and resume key are unchanged
+        data = handler(self)
+        return data if self.scheme is not None or not isinstance(data, dict) else \
+            {k: v for k, v in data.items() if k != "scheme"}
 
     @property
     def grid(self) -> GridSpec | Fp4Spec:
