@@ -51,6 +51,20 @@ def reference(w: torch.Tensor, preset: str, fused: tuple[torch.Tensor, ...] = ()
     return fake_quantize(w, scale, zp, spec.args, global_scale=gs), written
 
 
+def test_rounding_is_cast_to_fp4_bit_for_bit():
+    """quantkit's one-bucketize rounding against compressed-tensors' cast_to_fp4: every threshold, the floats either
+    side of it, signed zeros and a dense sample, compared as bits (so -0 counts)."""
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+
+    from quantkit.algorithms.fp4 import round_values
+
+    edges = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0])
+    near = torch.cat([edges, torch.nextafter(edges, torch.tensor(9.0)), torch.nextafter(edges, torch.tensor(-9.0))])
+    sample = 3 * torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    x = torch.cat([near, -near, sample, torch.tensor([-0.0, 1e-30, -1e-30, 7.0, -7.0])])
+    assert torch.equal(round_values(x, torch.tensor(1.0)).view(torch.int32), cast_to_fp4(x.clamp(-6, 6)).view(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_rtn_is_compressed_tensors_bit_for_bit(preset, dtype):

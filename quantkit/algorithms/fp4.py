@@ -3,7 +3,7 @@
 NVFP4: groups of 16, float8_e4m3 group scales, one float32 global scale per weight; the group's effective scale is
 scale / global_scale. MXFP4: groups of 32, power-of-two group scales stored as e8m0 exponents (uint8, bias 127),
 no global scale. The scales, the global scale and the rounding to the e2m1 grid are compressed-tensors' own
-functions (calculate_qparams, generate_gparam, cast_to_fp4), fed the min and max of each group in the weight's
+functions (calculate_qparams, generate_gparam; cast_to_fp4's rounding, bit for bit), fed the min and max of each group in the weight's
 dtype as llm-compressor's observer does, so a round-to-nearest weight is what compressed-tensors' fake_quantize
 gives on it, bit for bit (tests/test_fp4.py).
 
@@ -26,7 +26,6 @@ from torch import nn
 from compressed_tensors.compressors.mx_utils import compress_mx_scale, decompress_mx_scale
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.quant_scheme import MXFP4A16, NVFP4A16
-from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
 from .grid import row_steps
@@ -193,9 +192,19 @@ def group_scales(groups: torch.Tensor, spec: Fp4Spec, global_scale: torch.Tensor
     return scale
 
 
+# cast_to_fp4's thresholds between magnitudes: above 0.25, 1.25, 2.5, 5 and from 0.75, 1.75, 3.5 on (ties to the
+# even mantissa); "from b on" is "above the float32 just below b", so one bucketize finds every magnitude's index
+_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_BOUNDS[1::2] = torch.nextafter(_BOUNDS[1::2], torch.tensor(0.0))
+
+
 def round_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The e2m1 values of w / scale (float32), clamped and rounded as compressed-tensors' quantize does."""
-    return cast_to_fp4(torch.clamp(w.float() / scale, -FP4_MAX, FP4_MAX))
+    """The e2m1 values of w / scale (float32), clamped and rounded as compressed-tensors' quantize does: its
+    cast_to_fp4, bit for bit (-0 where a negative value rounds to zero; tested), in one bucketize instead of eight
+    masked writes (~5x faster: GPTQ rounds a column at a time)."""
+    x = torch.clamp(w.float() / scale, -FP4_MAX, FP4_MAX)
+    magnitude = MAGNITUDES.to(x.device)[torch.bucketize(x.abs(), _BOUNDS.to(x.device))]
+    return torch.where(x < 0, -magnitude, magnitude)  # torch.sign: -0.0 stays +0
 
 
 def codes_of(values: torch.Tensor) -> torch.Tensor:
