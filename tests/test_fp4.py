@@ -11,6 +11,7 @@ import pytest
 import torch
 from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
 from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
@@ -18,7 +19,7 @@ from conftest import run_cli, write_recipe
 from tiny_models import make_tiny_model
 
 from quantkit import runtime
-from quantkit.algorithms.fp4 import FUSED, SPECS, Fp4Weight, fp4_rtn
+from quantkit.algorithms.fp4 import FUSED, SPECS, VALUES, Fp4Weight, fp4_rtn
 from quantkit.algorithms.gptq import GPTQ
 from quantkit.algorithms.scheme import QuantizedTensor
 from quantkit.export import ct_fp4
@@ -78,6 +79,8 @@ def test_rtn_is_compressed_tensors_bit_for_bit(preset, dtype):
         assert mine[name].dtype == t.dtype and torch.equal(mine[name].view(torch.uint8), t.view(torch.uint8)), name
     back = ct_fp4.decode_module(mine, ct_fp4.FORMAT[preset])
     assert torch.equal(back.codes, qw.codes) and torch.equal(back.dequantize(), qw.dequantize())
+    theirs = unpack_fp4_from_uint8(written["weight_packed"], *w.shape, dtype=torch.float32)
+    assert torch.equal(VALUES[back.codes.long()].view(torch.int32), theirs.view(torch.int32))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
