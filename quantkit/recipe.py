@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from .data import domain_name, expand
 from .errors import QuantkitError, first_line
 from .export import formats
-from .export.base import GridSpec, scheme_of
+from .export.base import scheme_of
 from .methods import METHODS, Method
 from .methods.awq import AWQ  # noqa: F401  (the stage configs, importable from the recipe as before)
 from .methods.config import Activations, WeightQuant  # noqa: F401
@@ -308,7 +308,7 @@ class Recipe(_Strict):
                 if fmt in self.export.formats and formats.get(fmt).weight_only:
                     raise _error("export.formats: {fmt} stores weight-only quantization; W8A8 (activations) is "
                                  "written as compressed-tensors only", fmt=fmt)
-        scheme = scheme_of(GridSpec(args.bits, args.group_size, args.sym), act and act.kind, args.block)
+        scheme = scheme_of(args.grid, act and act.kind, args.block)
         for fmt in self.export.formats:
             problem = formats.get(fmt).check_scheme(scheme)
             if problem:

@@ -164,10 +164,12 @@ class Release:
 
     def _check_vllm_serves(self, field: str) -> None:
         """vLLM's environment exists, and its build has kernels for the recipe's scheme on this machine."""
-        from .engines.vllm import NO_WNA16, VllmEngine, interpreter
+        from .engines.vllm import NO_FP4, NO_WNA16, VllmEngine, interpreter
 
         python = interpreter(None, f"{field}: vllm")
         args = self.recipe.stage.weights  # awq alone: its grid, as a WeightQuant
+        if args.type == "fp4":
+            raise QuantkitError(f"{field}: vllm: {NO_FP4}")
         if args.type == "int" and args.activations is None:
             with VllmEngine(python) as engine:
                 if not engine.has_wna16():

@@ -34,7 +34,7 @@ STAGES = {
     "W4A16_KV_FP8": ("{bits: 4, group_size: 128, sym: true}", "kv_cache: {bits: 8, type: float, strategy: tensor}\n"),
 }
 # The lead removes an entry when the scheme's branch is merged.
-NOT_ON_MAIN = {"NVFP4A16": "NVFP4A16 (fp4schemes)", "MXFP4A16": "MXFP4A16 (fp4schemes)"}
+NOT_ON_MAIN: dict[str, str] = {}
 # (preset, method) -> the one line quantkit refuses the recipe with, where it deliberately does not quantize as the
 # peer does (exit 2, nothing written)
 FP8_RTN_ONLY = "per-channel or per-tensor FP8 is rounded to nearest: use rtn with type: float"

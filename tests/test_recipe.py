@@ -27,7 +27,7 @@ def test_defaults_follow_the_contract():
 
 @pytest.mark.parametrize("edit, expected", [
     (lambda d: d["stages"][0]["gptq"].update(bits=5), "stages.0.gptq.bits: Input should be 2, 3, 4 or 8 (got 5)"),
-    (lambda d: d["stages"][0]["gptq"].update(group_size=48), "stages.0.gptq.group_size: Input should be -1, 32, 64, 128 or 256 (got 48)"),
+    (lambda d: d["stages"][0]["gptq"].update(group_size=48), "stages.0.gptq.group_size: Input should be -1, 16, 32, 64, 128 or 256 (got 48)"),
     (lambda d: d["stages"][0].update(awq={}), "stages.0: a stage is exactly one of: gptq, rtn, smoothquant, awq"),
     (lambda d: d["stages"][0].update(fp4={}), "stages.0: unknown key 'fp4' (accepted: gptq, rtn, smoothquant, awq)"),
     (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, load, calibration, moe, stages, kv_cache, export, release, gates)"),

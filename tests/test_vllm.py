@@ -22,8 +22,8 @@ import pytest
 from conftest import write_recipe
 from tiny_models import SERVABLE_EXTRA, make_servable_model
 
-from quantkit.engines.vllm import (INT8_INEXACT, MOE_W4A8, NO_FP8_BLOCK, NO_FP8_KV, NO_FP8_STATIC, NO_WNA16, W4A8,
-                                   VllmEngine, fp8_kv_cache, fp8_layout, weight_only_int)
+from quantkit.engines.vllm import (INT8_INEXACT, MOE_W4A8, NO_FP4, NO_FP8_BLOCK, NO_FP8_KV, NO_FP8_STATIC, NO_WNA16,
+                                   W4A8, VllmEngine, fp8_kv_cache, fp8_layout, weight_only_int)
 from quantkit.evaluation.report import markdown as eval_markdown
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.runner import EvalOptions, evaluate
@@ -329,6 +329,17 @@ def test_bench_in_vllm_refuses_what_it_cannot_serve_before_starting(tmp_path):
         run_serving_bench([str(tmp_path)], ServingOptions(vllm_python=sys.executable), Reporter(quiet=True))
     assert str(err.value) == (f"ARTIFACT: vLLM serves a folder with a config.json (a quantkit artifact or an HF "
                               f"checkpoint); {tmp_path} is not one")
+
+
+@pytest.mark.parametrize("stage", ["rtn: {scheme: NVFP4A16}", "rtn: {scheme: MXFP4A16}"])
+def test_fp4_artifacts_are_refused_before_vllm_loads_them(stage, tiny_factory, tmp_path):
+    """vLLM's CPU build has no FP4 kernel: the engine refuses the artifact in one line, before its worker reads it."""
+    artifact = quantize(tiny_factory("llama"), tmp_path / "fp4", stage, "compressed-tensors")
+    engine = VllmEngine(sys.executable)  # never started: the refusal comes first
+    with pytest.raises(QuantkitError) as err:
+        engine.load(str(artifact), "float16", 128)
+    assert str(err.value) == f"vllm: cannot serve {artifact}: {NO_FP4}"
+    assert engine.proc is None
 
 
 def test_a_release_asking_for_vllm_without_it_stops_before_quantizing(tiny_factory, tmp_path, monkeypatch, capsys):

@@ -13,8 +13,10 @@ from contextlib import contextmanager
 
 import torch
 
+from .fp4 import Fp4Spec, Fp4Weight, codes_of, effective, global_scale_of, group_scales, round_values, store
 from .fp8 import FP8_DTYPE, FP8_MAX, Fp8BlockWeight, fp8_block_quantize
 from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
+from .scheme import QuantizedTensor
 
 
 class NotPositiveDefinite(RuntimeError):
@@ -189,32 +191,45 @@ class GPTQ:
             self.hinv, self.damp = _upper_inverse_cholesky(h, damp, warn)
 
     @torch.no_grad()
-    def quantize(self, weight: torch.Tensor) -> tuple[QuantizedWeight, float]:
+    def quantize(self, weight: torch.Tensor) -> tuple[QuantizedTensor, float]:
         """Returns the quantized weight (original column order) and GPTQ's loss Σ (w-q)²/(2·[H⁻¹]ᵢᵢ²)."""
-        with _one_thread(self.hinv.device):  # thousands of tiny ops: CPU threads add only sync overhead
-            qw, losses = self._quantize([weight])
-        return qw, float(losses.sum())
+        return self.quantize_many([weight])[0]
 
     @torch.no_grad()
-    def quantize_many(self, weights: list[torch.Tensor], release: bool = False) -> list[tuple[QuantizedWeight, float]]:
+    def quantize_many(self, weights: list[torch.Tensor], release: bool = False,
+                      global_scales: list[torch.Tensor | None] | None = None) -> list[tuple[QuantizedTensor, float]]:
         """quantize() of each weight, in one pass over their stacked rows: GPTQ treats rows independently, so the
         codes and scales are each weight's own (bit-identical, tested), at the cost of one column loop.
         release: nothing reads the weights afterwards (the caller swaps the quantized ones in): each one's storage is
-        emptied as soon as it is copied, where the storage is the weight's own, so the solve does not hold it."""
-        with _one_thread(self.hinv.device):
-            qw, losses = self._quantize(weights, release)
+        emptied as soon as it is copied, where the storage is the weight's own, so the solve does not hold it.
+        global_scales: NVFP4's, per weight (default: each from its own values)."""
+        if self.fp8_block is not None:
+            grid = None
+        elif isinstance(self.spec, Fp4Spec):
+            grid = _Fp4Grid(self.spec, weights, global_scales)
+        else:
+            grid = _IntGrid(self.spec, self.find_params)
+        with _one_thread(self.hinv.device):  # thousands of tiny ops: CPU threads add only sync overhead
+            solved = self._quantize(weights, grid, release)
+        if grid is None:
+            return self._split_fp8(weights, *solved)
+        codes, scale, zero, losses = solved
         out, start = [], 0
+        for i, w in enumerate(weights):
+            rows = slice(start, start + w.shape[0])
+            # each weight's codes in a buffer of their own, as one weight's are: freed, or parked, on their own
+            mine = codes[rows] if len(weights) == 1 else codes[rows].clone()
+            out.append((grid.result(i, mine, scale[rows], zero[rows]), float(losses[rows].sum())))
+            start += w.shape[0]
+        return out
+
+    def _split_fp8(self, weights: list[torch.Tensor], qw: Fp8BlockWeight, losses: torch.Tensor
+                   ) -> list[tuple[QuantizedTensor, float]]:
+        """Each weight's rows of the stacked FP8 block result (its rows are whole blocks: plan() checks they tile)."""
+        out, start, r = [], 0, self.fp8_block[0]
         for w in weights:
             rows = slice(start, start + w.shape[0])
-            if isinstance(qw, Fp8BlockWeight):  # each weight's rows are whole blocks (plan() checks they tile)
-                r = self.fp8_block[0]
-                out.append((Fp8BlockWeight(qw.weight[rows].clone(), qw.scale[start // r:rows.stop // r].clone(),
-                                           qw.block), float(losses[rows].sum())))
-                start += w.shape[0]
-                continue
-            # each weight's codes in a buffer of their own, as one weight's are: freed, or parked, on their own
-            codes = qw.codes[rows] if len(weights) == 1 else qw.codes[rows].clone()
-            out.append((QuantizedWeight(codes=codes, scale=qw.scale[rows], zero=qw.zero[rows], spec=qw.spec),
+            out.append((Fp8BlockWeight(qw.weight[rows].clone(), qw.scale[start // r:rows.stop // r].clone(), qw.block),
                         float(losses[rows].sum())))
             start += w.shape[0]
         return out
@@ -237,7 +252,9 @@ class GPTQ:
                 storage.resize_(0)
         return wt
 
-    def _quantize(self, weights: list[torch.Tensor], release: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
+    def _quantize(self, weights: list[torch.Tensor], grid, release: bool = False):
+        """The column loop over the stacked weights: codes [rows, cols], the grid's stored scale and zero
+        [rows, groups] (float32) and each row's loss."""
         spec, hinv, perm = self.spec, self.hinv, self.perm
         wt = self._stacked_transpose(weights, release)
         wt[self.dead if perm is None else self.dead[perm]] = 0
@@ -264,25 +281,19 @@ class GPTQ:
                     ahead = w1[i:i + span]  # the group's columns: this block's rest, then the next block's
                     if len(ahead) < span:
                         ahead = torch.cat([ahead, wt[i2:i2 + span - len(ahead)]])
-                    s, z = self.find_params(ahead.T, spec)
+                    s, z, stored = grid.params(ahead.T)
                     g = (int(perm[col]) if perm is not None else col) // span
-                    scale[g], zero[g] = s, z
+                    scale[g], zero[g] = stored, z
                 w, q, err = w_rows[i], q_rows[i], e_rows[i]
-                quantize_codes(w, s, z, spec.maxq, out=q)
+                grid.round(w, s, z, out=q)
                 torch.sub(q, z, out=err).mul_(s)
                 torch.sub(w, err, out=err).div_(diag[i])  # (w - (q - z)·s) / [H⁻¹]ᵢᵢ
                 w1[i + 1:].addr_(h_rows[i][i + 1:], err, alpha=-1)
-            codes[slice(i1, i2) if perm is None else perm[i1:i2]] = q1.to(torch.uint8)
+            codes[slice(i1, i2) if perm is None else perm[i1:i2]] = grid.codes(q1)
             losses += err1.square().sum(0)  # halved once at the end: exact, as halving is
             wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)  # lazy batch update of the remaining columns
         losses /= 2
-        qw = QuantizedWeight(
-            codes=codes.T.cpu(),
-            scale=scale.T.contiguous().to(SCALE_DTYPE).cpu(),
-            zero=zero.T.contiguous().to(torch.uint8).cpu(),
-            spec=spec,
-        )
-        return qw, losses
+        return codes.T.cpu(), scale.T.contiguous().cpu(), zero.T.contiguous().cpu(), losses
 
 
     def _quantize_fp8(self, wt: torch.Tensor) -> tuple[Fp8BlockWeight, torch.Tensor]:
@@ -305,6 +316,52 @@ class GPTQ:
             losses += err1.square().sum(0)
             wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)
         return Fp8BlockWeight(q8.T.contiguous().cpu(), scale.cpu(), (br, bc)), losses / 2
+
+
+class _IntGrid:
+    """GPTQ's integer grid: codes (float until a block is done) with a scale and zero per group."""
+
+    def __init__(self, spec: GridSpec, find_params):
+        self.spec, self.find_params = spec, find_params
+
+    def params(self, group: torch.Tensor):
+        s, z = self.find_params(group, self.spec)
+        return s, z, s
+
+    def round(self, w, s, z, out):
+        quantize_codes(w, s, z, self.spec.maxq, out=out)
+
+    def codes(self, q: torch.Tensor) -> torch.Tensor:
+        return q.to(torch.uint8)
+
+    def result(self, i: int, codes, scale, zero) -> QuantizedWeight:
+        return QuantizedWeight(codes=codes, scale=scale.to(SCALE_DTYPE), zero=zero.to(torch.uint8), spec=self.spec)
+
+
+class _Fp4Grid:
+    """The e2m1 grid: q holds e2m1 values (zero 0), each group's scale from calculate_qparams of its current
+    (error-updated) columns, over each weight's global scale taken from original values (NVFP4)."""
+
+    def __init__(self, spec: Fp4Spec, weights: list[torch.Tensor], global_scales: list | None):
+        self.spec = spec
+        self.globals = global_scales or [global_scale_of(w, spec) for w in weights]
+        self.rows = None if not spec.global_scale else torch.cat(
+            [g.expand(w.shape[0]) for g, w in zip(self.globals, weights)])
+
+    def params(self, group: torch.Tensor):
+        rows = None if self.rows is None else self.rows.to(group.device)
+        stored = store(group_scales(group, self.spec, rows), self.spec)
+        s = effective(stored, rows)
+        return s, torch.zeros_like(s), effective(stored, None)
+
+    def round(self, w, s, z, out):
+        out.copy_(round_values(w, s))
+
+    def codes(self, q: torch.Tensor) -> torch.Tensor:
+        return codes_of(q)
+
+    def result(self, i: int, codes, scale, zero) -> Fp4Weight:
+        return Fp4Weight(codes, store(scale, self.spec), self.spec, self.globals[i])
 
 
 @contextmanager

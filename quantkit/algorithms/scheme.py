@@ -1,6 +1,6 @@
 """What a Linear's weight (and its input) become, and the one result type every method returns.
 
-`Scheme` describes it: the value kind (int codes, float8, later fp4), bits, how scales are shared (per output
+`Scheme` describes it: the value kind (int codes, float8, fp4), bits, how scales are shared (per output
 channel, per group of columns, per 2-D block), symmetry, the scale dtype, whether a global scale sits above the
 group scales (NVFP4), and the activation scheme (None: weight-only). Formats decide from a Scheme whether they can
 store it (export/formats.py); kernels pick a layer by its kind.
@@ -32,7 +32,7 @@ class ActivationScheme:
 
 @dataclass(frozen=True)
 class Scheme:
-    kind: str  # int | float (e4m3) | ... (fp4: issue 41)
+    kind: str  # int | float (e4m3) | fp4 (e2m1: NVFP4, MXFP4)
     bits: int
     group_size: int = -1  # columns per scale; -1: one scale per output channel
     sym: bool = True

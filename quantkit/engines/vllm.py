@@ -73,6 +73,9 @@ NO_WNA16 = ("vLLM's CPU build has no kernel for weight-only integer formats (gpt
 # runs only with AVX-512; on AVX2 vLLM would keep a 16-bit cache (or stop), and measure something else than the artifact
 NO_FP8_KV = ("the artifact has an FP8 KV cache (kv_cache_scheme), and vLLM's CPU build runs an fp8 KV cache only "
              "with AVX-512; this CPU has AVX2")
+# vLLM's CPU platform has no FP4 linear method (its NVFP4 / MXFP4 schemes are CUDA kernels: Marlin, CUTLASS)
+NO_FP4 = ("vLLM's CPU build has no kernel for FP4 weights (NVFP4A16, MXFP4A16): its FP4 schemes run on CUDA GPUs "
+          "only; quantkit's runtime runs them (dequantized)")
 
 # measured: a 64-long dot product of 127s gives 8160 instead of 1 032 256 on an AVX2 EPYC (workers/vllm_serve.py)
 INT8_INEXACT = ("vLLM's int8 GEMM on this CPU (oneDNN without VNNI) sums pairs of int8 products in int16, which "
@@ -125,6 +128,13 @@ def moe(config: dict) -> bool:
     return any((config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def fp4_weights(config: dict) -> bool:
+    """Whether config.json's quantized Linears hold FP4 (e2m1) weights."""
+    groups = (config.get("quantization_config") or {}).get("config_groups", {})
+    return any(isinstance(g, dict) and (g.get("weights") or {}).get("type") == "float"
+               and (g.get("weights") or {}).get("num_bits") == 4 for g in groups.values())
+
+
 def weight_only_int(config: dict) -> bool:
     """Whether vLLM's CPU build runs config.json's quantized Linears with cpu_gemm_wna16: gptq, awq, and
     compressed-tensors groups of integer weights whose inputs stay unquantized."""
@@ -165,6 +175,8 @@ class VllmEngine:
         `warning` where this CPU's kernels make the measurements worse than a server's."""
         path = Path(model) / "config.json"
         config = json.loads(path.read_text()) if path.is_file() else {}
+        if fp4_weights(config):
+            raise QuantkitError(f"vllm: cannot serve {model}: {NO_FP4}")
         if weight_only_int(config) and not self.has_wna16():
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_WNA16}")
         refused = self.fp8_refusal(fp8_layout(config))

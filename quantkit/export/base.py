@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..algorithms.fp4 import Fp4Spec, Fp4Weight
 from ..algorithms.fp8 import Fp8BlockWeight, Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
 from ..algorithms.scheme import ActivationScheme, Scheme
@@ -16,7 +17,7 @@ class QuantInfo:
     """How the weights were quantized, as the formats' configs need to say it."""
 
     method: str  # the recipe's stages joined by '+': gptq | rtn | smoothquant+gptq | ...
-    spec: GridSpec  # the int grid; unused by FP8 weights
+    spec: GridSpec | Fp4Spec  # the int grid, or the FP4 preset's; unused by FP8 weights
     act_order: bool = False
     damp: float | None = None
     unquantized_linears: list[str] = field(default_factory=list)  # full names of Linear layers left float
@@ -41,9 +42,12 @@ class Encoded:
     extra_files: dict[str, dict] = field(default_factory=dict)  # file name -> JSON body
 
 
-def scheme_of(spec: GridSpec, activations: str | None, block: tuple[int, int] | None = None,
+def scheme_of(spec: GridSpec | Fp4Spec, activations: str | None, block: tuple[int, int] | None = None,
               act_strategy: str = "token", act_group: int | None = None) -> Scheme:
-    """The Scheme of a recipe's weight stage: its int grid, or FP8 weights with FP8 activations (W8A8 fp8)."""
+    """The Scheme of a recipe's weight stage: its int grid, FP8 weights with FP8 activations (W8A8 fp8), or an FP4
+    preset's grid."""
+    if isinstance(spec, Fp4Spec):
+        return spec.scheme
     if activations is None:
         return Scheme("int", spec.bits, spec.group_size, spec.sym)
     kind = "float" if activations == "fp8" else "int"
@@ -70,5 +74,5 @@ def trivial_g_idx(g_idx: torch.Tensor | None, span: int) -> torch.Tensor | None:
     return g_idx.long()
 
 
-__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "Fp8BlockWeight", "GridSpec", "Scheme", "scheme_of",
-           "split_by_module", "trivial_g_idx"]
+__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "Fp8BlockWeight", "Fp4Weight", "Fp4Spec", "GridSpec",
+           "Scheme", "scheme_of", "split_by_module", "trivial_g_idx"]

@@ -17,6 +17,7 @@ symmetric, static, strategy tensor | attn_head) in the quantization_config, as l
   <a>.k_scale, <a>.v_scale  float32 [1] (tensor) | [kv_heads, 1, 1] (attn_head)
   (llm-compressor keeps them in the model's dtype; vLLM reads them into float32 either way, and float32 keeps
   amax / 448 exact.)
+`nvfp4-pack-quantized` / `mxfp4-pack-quantized` (NVFP4A16 / MXFP4A16): export/ct_fp4.py.
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
 
@@ -28,13 +29,15 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from ..algorithms.grid import INT8_CHANNEL
 from ..errors import QuantkitError
 from ..algorithms.scheme import QuantizedTensor
-from . import packing
-from .base import Encoded, Fp8BlockWeight, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight, trivial_g_idx
+from . import ct_fp4, packing
+from .base import (Encoded, Fp8BlockWeight, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight,
+                   trivial_g_idx)
 from .layout import FLOATS, I32, I64, Layout, Part, packed
 from .registry import Format, register
 
 PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
 MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
+MARKERS |= {fmt: "weight_packed" for fmt in ct_fp4.PRESET}  # FP4: export/ct_fp4.py
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
 # the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
@@ -134,6 +137,8 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
         return decode_int_module(t)
     if fmt == FLOAT:
         return decode_float_module(t, block_of(qcfg))
+    if fmt in ct_fp4.PRESET:
+        return ct_fp4.decode_module(t, fmt)
     # quantkit (and llm-compressor's W4A16 presets) write a single config group targeting Linear
     w = next(iter(qcfg["config_groups"].values()))["weights"]
     bits, sym = int(w["num_bits"]), bool(w["symmetric"])
@@ -205,6 +210,9 @@ def _config(scheme: QuantizationScheme, info: QuantInfo, fmt: str) -> dict:
 def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
     if info.activations is not None:
         return encode_w8a8(qweights, info, scale_dtype)
+    if info.scheme.kind == "fp4":
+        tensors, scheme = ct_fp4.encode(qweights, info)
+        return Encoded(tensors, _config(scheme, info, scheme.format))
     tensors = {
         f"{name}.{suffix}": t
         for name, qw in qweights.items()
@@ -247,7 +255,7 @@ def _block_scale(block: tuple[int, int]) -> Part:
 class CompressedTensors(Format):
     name = "compressed-tensors"
     bits = (4, 8)
-    kinds = ("int", "float")
+    kinds = ("int", "float", "fp4")
     weight_only = False
     kv_cache = True
     loaders = [
@@ -271,6 +279,8 @@ class CompressedTensors(Format):
         block = block_of(qcfg) if kind == FLOAT else None
         if block:
             return Layout(kind, PARTS[kind] | {"weight_scale": _block_scale(block)}, 8, -1)
+        if kind in ct_fp4.PRESET:
+            return Layout(kind, ct_fp4.parts(kind), 4, ct_fp4.SPECS[ct_fp4.PRESET[kind]].group_size)
         if kind != PACKED:
             return Layout(kind, PARTS[kind], 8, -1)
         w = next(iter(qcfg["config_groups"].values()))["weights"]

@@ -64,6 +64,9 @@ class AWQMethod(Method):
                         i=i, name=weight.name)
         # the scales and clipping are searched on awq's grid: gptq must round on that same grid
         awq, gptq = stages[i].args, weight.args
+        if gptq.type != "int":
+            raise error("stages.{last}.gptq.type: awq searches its scales on an int grid; {t} weights after awq "
+                        "are not supported (drop the awq stage)", last=last, t=gptq.type)
         for key, want, got in (("bits", awq.bits, gptq.bits), ("group_size", awq.group_size, gptq.group_size),
                                ("sym", awq.sym, gptq.sym), ("ignore", awq.ignore, gptq.ignore)):
             if want != got:

@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
+from ..algorithms.fp4 import Fp4Spec, fp4_rtn, global_scale_for
 from ..algorithms.fp8 import fp8_block_quantize, fp8_quantize
 from ..algorithms.grid import STEP, GridSpec, row_steps
 from ..algorithms.rtn import rtn_quantize
@@ -38,7 +39,7 @@ class Method:
         """As the weight stage, the grid and Linears it quantizes to (a WeightQuant's fields)."""
         return args
 
-    def round(self, module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedTensor, float]:
+    def round(self, module: nn.Linear, args: WeightQuant, spec: GridSpec | Fp4Spec) -> tuple[QuantizedTensor, float]:
         """As a weight stage that does not solve, quantize one Linear to `args` (self.weights of the stage's
         arguments): its weight becomes the dequantized result; returns the codes (on the host) and the loss.
         Round-to-nearest unless a method rounds otherwise."""
@@ -60,12 +61,15 @@ class Method:
         return widest * (1 + elt + 1) + min(STEP, widest) * (4 + 4 + 8 + 8)
 
 
-def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec) -> tuple[QuantizedTensor, float]:
-    """Round-to-nearest (FP8 for type: float) swapped into the Linear; the loss is the weight's mean squared error."""
+def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec | Fp4Spec) -> tuple[QuantizedTensor, float]:
+    """Round-to-nearest (FP8 for type: float, FP4 for type: fp4) swapped into the Linear; the loss is the weight's mean
+    squared error."""
     if args.type == "float" and args.block is not None:
         qw = fp8_block_quantize(module.weight.data, args.block)
     elif args.type == "float":
         qw = fp8_quantize(module.weight.data, args.per_tensor)
+    elif isinstance(spec, Fp4Spec):
+        qw = fp4_rtn(module.weight.data, spec, global_scale_for(module, spec))
     else:
         qw = rtn_quantize(module.weight.data, spec, args.observer)
     deq = qw.dequantize(module.weight.dtype).to(module.weight.device)

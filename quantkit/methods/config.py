@@ -8,6 +8,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..algorithms.fp4 import Fp4Spec, spec_for
+from ..algorithms.grid import GridSpec
 from . import presets
 
 
@@ -65,12 +67,14 @@ Positive = Annotated[int, Field(ge=1)]
 
 class WeightQuant(OmitDefaults):
     _omit = ("scheme", "block", "per_tensor")
-    # a compressed-tensors preset name (methods/presets.py); keys written beside it override the preset's
+    # a compressed-tensors preset name (methods/presets.py); keys beside it override it (an FP4 one's may not differ)
     scheme: str | None = None
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: Literal[-1, 32, 64, 128, 256] = 128
+    group_size: Literal[-1, 16, 32, 64, 128, 256] = 128
     sym: bool = True
-    type: Literal["int", "float"] = "int"  # float: FP8 e4m3, one scale per output channel (RTN only)
+    # float: FP8 e4m3, one scale per output channel (RTN only); fp4: e2m1 with group scales (NVFP4 groups of 16,
+    # MXFP4 groups of 32), as the NVFP4A16 / MXFP4A16 presets set it
+    type: Literal["int", "float", "fp4"] = "int"
     # how each group's scale (and zero) is chosen: its min and max, or the clip of least |w - q|^2.4 (grid.mse_params)
     observer: Literal["minmax", "mse"] = "minmax"
     activations: Activations | None = None  # None: weight-only
@@ -89,6 +93,29 @@ class WeightQuant(OmitDefaults):
     @classmethod
     def _known_preset(cls, name: str | None) -> str | None:
         return presets.check_name(name)
+
+    @model_validator(mode="after")
+    def _fp4(self) -> "WeightQuant":
+        if self.type != "fp4":
+            return self
+        for key, want, why in (("bits", 4, "e2m1 is 4 bits"), ("sym", True, "e2m1 is symmetric")):
+            if getattr(self, key) != want:
+                raise error("{key}: fp4 weights need {key}: {want} ({why})", key=key,
+                            want=str(want).lower(), why=why)
+        if self.group_size not in (16, 32):
+            raise error("group_size: fp4 weights need group_size: 16 (NVFP4A16) or 32 (MXFP4A16), got {g}",
+                        g=self.group_size)
+        if self.observer != "minmax":
+            raise error("observer: fp4 group scales are compressed-tensors' min-max ones; drop observer: {o}",
+                        o=self.observer)
+        if self.activations is not None:
+            raise error("activations: fp4 weights are written weight-only (NVFP4A16, MXFP4A16); drop activations")
+        return self
+
+    @property
+    def grid(self) -> GridSpec | Fp4Spec:
+        """What the weights are rounded to: the int grid, or the FP4 preset's (its group size tells which)."""
+        return spec_for(self.group_size) if self.type == "fp4" else GridSpec(self.bits, self.group_size, self.sym)
 
 
 def error(message: str, **values: Any) -> PydanticCustomError:

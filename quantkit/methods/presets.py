@@ -2,7 +2,8 @@
 the weight-stage arguments each stands for (compressed-tensors 0.20.1 quantization/quant_scheme.py PRESET_SCHEMES).
 
 A preset fills in the stage's arguments; keys written beside it override the preset's (`scheme: FP8_BLOCK,
-block: [64, 64]` for a model whose widths 128 does not divide), so the recipe says what differs from the name.
+block: [64, 64]` for a model whose widths 128 does not divide), so the recipe says what differs from the name. An
+FP4 preset's fields are its format (NVFP4's group of 16 with e4m3 scales, MX's 32 with e8m0): they may not differ.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "FP8": _FP8 | {"per_tensor": True, "activations": {"type": "float", "dynamic": False, "strategy": "tensor"}},
     # FP8 weights one scale per [128, 128] block, FP8 inputs per group of 128 columns at run time (DeepSeek-V3's)
     "FP8_BLOCK": _FP8 | {"block": [128, 128], "activations": {"type": "float", "strategy": "group", "group_size": 128}},
+    # e2m1 values, float8_e4m3 scales per 16 columns over a float32 global scale; weight-only
+    "NVFP4A16": {"type": "fp4", "bits": 4, "group_size": 16, "sym": True},
+    # e2m1 values, power-of-two (e8m0) scales per 32 columns; weight-only
+    "MXFP4A16": {"type": "fp4", "bits": 4, "group_size": 32, "sym": True},
 }
+FIXED = {"NVFP4A16", "MXFP4A16"}  # presets whose fields are the format itself
 
 
 def expand(data: Any) -> Any:
@@ -36,7 +42,14 @@ def expand(data: Any) -> Any:
     preset = SUPPORTED.get(data["scheme"].upper())
     if preset is None:
         return data
-    out = {**preset, **data, "scheme": data["scheme"].upper()}
+    name = data["scheme"].upper()
+    if name in FIXED:
+        for key, value in preset.items():
+            if key in data and data[key] != value:
+                raise PydanticCustomError("preset", "{key}: {name} sets {key}: {value}; drop {key} or the scheme",
+                                          {"key": key, "name": name,
+                                           "value": str(value).lower() if isinstance(value, bool) else value})
+    out = {**preset, **data, "scheme": name}
     if isinstance(preset.get("activations"), dict) and isinstance(data.get("activations"), dict):
         out["activations"] = preset["activations"] | data["activations"]
     return out

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
+from ..algorithms.fp4 import Fp4Spec, global_scale_for
 from ..algorithms.grid import GridSpec
 from ..errors import QuantkitError
 from ..families import moe
@@ -228,8 +229,13 @@ def _solve_group(group: list[str], solver: Callable[[], GPTQ], by_name: dict[str
     weights as it goes."""
     owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in group})
     mine = [n for n in group if owner[n] == ranks.rank]
-    solved = dict(zip(mine, solver().quantize_many([by_name[n].weight.data for n in mine], release=release))) \
-        if mine else {}
+    if mine:  # NVFP4: the fused layers' global scales, from their float weights (before the solve releases them)
+        gptq = solver()
+        shared = [global_scale_for(by_name[n], gptq.spec) for n in mine] if isinstance(gptq.spec, Fp4Spec) else None
+        solved = dict(zip(mine, gptq.quantize_many([by_name[n].weight.data for n in mine], release=release,
+                                                   global_scales=shared)))
+    else:
+        solved = {}
     _install(group, solved, owner, by_name, tokens, result, ranks)
 
 

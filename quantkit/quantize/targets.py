@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..algorithms.grid import GridSpec
+from ..algorithms.fp4 import fuse
 from ..algorithms.scheme import QuantizedTensor
 from ..errors import QuantkitError
 from ..export import formats as format_registry
@@ -35,7 +35,7 @@ def plan(
     """Which Linear layers get quantized, checked against the grid and the formats before any work.
     transforms: the stages before the weight stage (its position in error messages, the method's name)."""
     args, path = stage.weights, f"stages.{len(transforms)}.{stage.name}"
-    spec = GridSpec(args.bits, args.group_size, args.sym)
+    spec = args.grid
     act = args.activations
     scheme = scheme_of(spec, None if act is None else act.kind, args.block, "token" if act is None else act.strategy,
                        None if act is None else act.group_size)
@@ -50,6 +50,9 @@ def plan(
     if not targets:
         raise QuantkitError(f"{path}.ignore: every Linear layer is ignored; nothing to quantize")
     for name, m in targets.items():
+        if args.type == "fp4" and m.in_features % args.group_size:
+            raise QuantkitError(f"{path}.scheme: {spec.preset} needs in_features a multiple of {args.group_size} "
+                                f"(its group size); {name} has {m.in_features}")
         if args.group_size != -1 and m.in_features % args.group_size:
             divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
             raise QuantkitError(
@@ -67,6 +70,8 @@ def plan(
             problem = format_registry.get(fmt).check_linear(scheme, name, m.out_features, m.in_features)
             if problem:
                 raise QuantkitError(problem)
+    if getattr(spec, "global_scale", False):
+        fuse(targets)  # NVFP4: q/k/v and gate/up share a global scale, as vLLM's fused layers need
     # float Linears, and MoE routers (some are not nn.Linear) so that no loader quantizes them
     unquantized = sorted(n for n, m in model.named_modules() if n not in targets and (
         isinstance(m, nn.Linear) or (n.rpartition(".")[2] in routers and getattr(m, "weight", None) is not None
