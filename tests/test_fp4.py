@@ -107,7 +107,7 @@ def test_gptq_beats_rtn_on_the_layer_output(preset):
 def test_the_resume_checkpoint_keeps_fp4_weights(preset, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from quantkit.quantize.checkpoint import _pack_weights, _unpack_weights
+    from quantkit.quantize.resume import _pack_weights, _unpack_weights
 
     qw = fp4_rtn(weight(), SPECS[preset])
     tensors, specs = _pack_weights({"a.q_proj": qw})
@@ -176,7 +176,8 @@ def test_artifact_loads_in_quantkit_and_transformers(stage, preset, bound, tiny_
     ("rtn: {scheme: NVFP4A16, group_size: 32}", ("compressed-tensors",),
      "stages.0.rtn: group_size: NVFP4A16 sets group_size: 16; drop group_size or the scheme"),
     ("rtn: {scheme: NVFP4}", ("compressed-tensors",),
-     "stages.0.rtn: scheme: 'NVFP4' is not a preset (NVFP4A16, MXFP4A16)"),
+     "stages.0.rtn.scheme: unknown preset 'NVFP4' (known: W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8, "
+     "FP8_BLOCK, NVFP4A16, MXFP4A16) (got 'NVFP4')"),
     ("rtn: {type: fp4, group_size: 64}", ("compressed-tensors",),
      "stages.0.rtn: group_size: fp4 weights need group_size: 16 (NVFP4A16) or 32 (MXFP4A16), got 64"),
     ("awq: {bits: 4, group_size: 32}\n  - gptq: {scheme: MXFP4A16}", ("compressed-tensors",),
