@@ -114,6 +114,12 @@ def test_transform_stages_then_one_weight_stage():
      "calibrated)"),
     ([{"rtn": {"scheme": "FP8_BLOCK", "activations": {"group_size": None}}}], None,
      "stages.0.rtn.activations.group_size: needed by strategy: group, and only by it"),
+    ([{"rtn": {"scheme": "FP8_BLOCK", "activations": {"strategy": "tensor", "dynamic": False, "group_size": None}}}],
+     None, "stages.0.rtn.activations.strategy: FP8 block weights take inputs per group of columns (strategy: group) and "
+           "only they do; got strategy: tensor with block"),
+    ([{"rtn": {"scheme": "FP8_DYNAMIC", "activations": {"strategy": "group", "group_size": 128}}}], None,
+     "stages.0.rtn.activations.strategy: FP8 block weights take inputs per group of columns (strategy: group) and "
+     "only they do; got strategy: group without block"),
     ([{"rtn": {"scheme": "FP8_BLOCK", "per_tensor": True}}], None,
      "stages.0.rtn.per_tensor: one scale per tensor or per block (block), not both"),
     ([{"rtn": {"block": [64, 64]}}], None, "stages.0.rtn.block: FP8 weights only (type: float)"),

@@ -344,7 +344,9 @@ class _Fp4Grid:
 
     def __init__(self, spec: Fp4Spec, weights: list[torch.Tensor], global_scales: list | None):
         self.spec = spec
-        self.globals = global_scales or [global_scale_of(w, spec) for w in weights]
+        # on the host with the codes and scales (a weight's own global scale sits on its device)
+        self.globals = [None if g is None else g.float().cpu()
+                        for g in (global_scales or [global_scale_of(w, spec) for w in weights])]
         self.rows = None if not spec.global_scale else torch.cat(
             [g.expand(w.shape[0]) for g, w in zip(self.globals, weights)])
 

@@ -168,3 +168,8 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
     if act.dynamic == (act.strategy == "tensor"):
         raise error("{path}.activations.dynamic: {want} for strategy: {s} (static inputs have one scale per "
                     "tensor, calibrated)", path=path, want=str(act.strategy != "tensor").lower(), s=act.strategy)
+    # the runtime's FP8 layers run group inputs with block weights only (kernels/w8a8.py), as compressed-tensors pairs them
+    if act.type == "float" and (args.block is not None) != (act.strategy == "group"):
+        raise error("{path}.activations.strategy: FP8 block weights take inputs per group of columns (strategy: group) "
+                    "and only they do; got strategy: {s} {w}", path=path, s=act.strategy,
+                    w="with block" if args.block is not None else "without block")

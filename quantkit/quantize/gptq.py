@@ -25,6 +25,7 @@ from torch import nn
 
 from ..algorithms.gptq import GPTQ, Hessian, NotPositiveDefinite
 from ..algorithms.fp4 import Fp4Spec, global_scale_for
+from ..algorithms.fp8 import Fp8BlockWeight
 from ..algorithms.grid import GridSpec
 from ..errors import QuantkitError
 from ..families import moe
@@ -77,7 +78,8 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             for n, m in by_name.items():
                 if n in result.qweights:  # its dequantized weight and its codes: read again only by a second
                     parked_weights.park(m.weight)  # call (restored then) and by the block's checkpoint and export
-                    parked_weights.park(result.qweights[n].codes)
+                    qw = result.qweights[n]
+                    parked_weights.park(qw.weight if isinstance(qw, Fp8BlockWeight) else qw.codes)
             parked_input.park(hidden)
         with report.timed("hessian+gptq"):
             h = _hessian(module, arrived[0].device, args)
