@@ -296,7 +296,12 @@ def _observe_inputs(run, hidden: HiddenStates, names: dict[nn.Linear, str], stag
     """Each Linear's static input scale, from its inputs over every window of every rank (the block's weights
     rounded, its inputs not yet quantized), stored with its quantized weight."""
     observers = {m: InputObserver(stage.weights.activations.observer) for m in names}
-    handles = [m.register_forward_pre_hook(lambda m, inputs: observers[m].update(inputs[0])) for m in names]
+    # an expert's second, routed call re-reads tokens its all-experts call counted (moe.replaying)
+    def observe(m: nn.Module, inputs: tuple) -> None:
+        if not moe.replaying(m):
+            observers[m].update(inputs[0])
+
+    handles = [m.register_forward_pre_hook(observe) for m in names]
     try:
         for k in range(len(hidden)):
             run(hidden.read(k))
