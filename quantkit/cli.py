@@ -1,5 +1,5 @@
 """quantkit command line: `quantkit quantize RECIPE`, `quantkit eval MODEL`, `quantkit report A B ...`,
-`quantkit bench ARTIFACT`, `quantkit verify ARTIFACT`, `quantkit sign ARTIFACT`, `quantkit release RECIPE`,
+`quantkit bench ARTIFACT`, `quantkit search RECIPE`, `quantkit verify ARTIFACT`, `quantkit sign ARTIFACT`, `quantkit release RECIPE`,
 `quantkit gate REPORT`."""
 
 from __future__ import annotations
@@ -74,6 +74,20 @@ def quantize(recipe_path: str, overwrite: bool, no_resume: bool, quiet: bool, js
     summary = run_quantize(recipe, overwrite, Reporter(quiet), resume=not no_resume)
     if int(os.environ.get("RANK", "0")) == 0:
         write_json(json_out, summary)
+
+
+@cli.command()
+@click.argument("recipe_path", metavar="RECIPE")
+@click.option("--overwrite", is_flag=True, help="Replace the existing artifact folders with the chosen mix's.")
+@click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+@click.option("--json", "json_out", metavar="FILE", help="Write search.json here too.")
+def search(recipe_path: str, overwrite: bool, quiet: bool, json_out: str | None) -> None:
+    """Choose a per-layer mix of the recipe's `search.candidates` within `search.budget` for the lowest KLD on the
+    worst domain, quantize it, and measure it: EXPORT/search/recipe.yaml, search.json, pareto.png, layers.md and
+    the artifact. The sensitivity pass resumes where a killed search stopped."""
+    from .search.run import run_search
+
+    write_json(json_out, run_search(recipe_path, Reporter(quiet), overwrite))
 
 
 def _size(text: str, option: str) -> int:

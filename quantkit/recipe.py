@@ -404,6 +404,11 @@ class _RecipeLoader(yaml.SafeLoader):
 
 
 def load_recipe(path: str | Path) -> Recipe:
+    return parse_recipe(read_yaml(path), str(path))
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A recipe file's YAML, read as _RecipeLoader allows; every problem one line naming the file."""
     path = Path(path)
     if not path.is_file():
         raise QuantkitError(f"{path}: recipe file not found")
@@ -418,4 +423,4 @@ def load_recipe(path: str | Path) -> Recipe:
         raise QuantkitError(f"{path}:{where} invalid YAML: {problem}") from None
     except RecursionError:
         raise QuantkitError(f"{path}: invalid YAML: nested too deeply") from None
-    return parse_recipe(data, str(path))
+    return data

@@ -1,0 +1,323 @@
+"""`quantkit search RECIPE`: sensitivity measured per fused group and candidate, the exact allocation under the
+budget, then the chosen mix quantized end to end like any recipe (GPTQ's error feedback changes the interactions)
+and measured on the same text, beside what was predicted. Writes under export.output: search/recipe.yaml (the mix
+as a plain recipe), search/search.json, search/pareto.png, search/layers.md, and the artifact in the recipe's
+formats."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from pydantic import ValidationError
+
+from .. import runtime
+from ..errors import QuantkitError
+from ..families import moe
+from ..files import write_json_atomic, write_text_atomic
+from ..model import decoder_blocks, load_model, torch_dtype
+from ..progress import Reporter
+from ..quantize import calibration
+from ..quantize import targets as target_plan
+from ..quantize.capture import capture_block_inputs
+from ..quantize.run import recipe_fingerprint, run_quantize
+from ..recipe import Recipe, format_validation_error, parse_recipe, read_yaml
+from . import allocate, plots, sensitivity, sizes
+from .config import Search, grid_of, label
+
+
+def load(path: str) -> tuple[dict, Recipe, Search]:
+    """The recipe without its search block (as the chosen recipe starts from it), the recipe, and the block."""
+    raw = read_yaml(path)
+    if not isinstance(raw, dict) or "search" not in raw:
+        raise QuantkitError(f"{path}: search: the recipe has no search block (candidates, budget)")
+    block = raw.pop("search")
+    recipe = parse_recipe(raw, path)
+    try:
+        cfg = Search.model_validate(block)
+    except ValidationError as err:
+        raise QuantkitError(format_validation_error(err, f"{path}: search")) from None
+    if recipe.transforms:
+        raise QuantkitError(f"{path}: stages: the search takes one weight stage (rtn or gptq); "
+                            f"{recipe.transforms[0].name} before it is not searched yet")
+    return raw, recipe, cfg
+
+
+def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
+    raw, recipe, cfg = load(path)
+    stage = recipe.stage
+    specs = [grid_of(c, stage.weights, f"{path}: search.candidates.{i}") for i, c in enumerate(cfg.candidates)]
+    if len(set(specs)) != len(specs):
+        raise QuantkitError(f"{path}: search.candidates: two candidates give the same grid")
+    out = Path(recipe.export.output) / "search"
+    start = time.perf_counter()
+    loaded = load_model(recipe.model, recipe.dtype)
+    model = loaded.model
+    moe.unfuse(model)
+    _, blocks = decoder_blocks(model)
+    _, targets, info = target_plan.plan(model, stage, recipe.export.formats)
+    groups = _fused_groups(list(targets))
+    dtype = next(model.parameters()).dtype if recipe.export.dtype == "auto" else torch_dtype(recipe.export.dtype)
+    fmt = recipe.export.formats[0]
+    cost = np.array([[sum(sizes.linear_bytes(n, targets[n], s, fmt, info, dtype) for n in g) for s in specs]
+                     for g in groups], dtype=np.int64)
+    fixed = sizes.fixed_bytes(model, set(targets), dtype)
+    budget = _budget(cfg, stage.weights, targets, info, fmt, dtype, fixed, path)
+    report.info(f"search: {len(groups)} groups of {len(targets)} Linears x {len(specs)} candidates "
+                f"({', '.join(map(label, specs))}); budget {budget + fixed} bytes")
+
+    key = {"recipe": recipe_fingerprint(recipe), "search": cfg.model_dump(mode="json"),
+           "candidates": [label(s) for s in specs]}
+    measured, sample = _sensitivity(recipe, cfg, loaded, blocks, targets, groups, specs, key, out, report)
+    increase = np.array([[m["increase"][c] for c in range(len(specs))] for m in measured])  # [G, C, D]
+    with report.timed("allocate"):
+        chosen = allocate.allocate(increase, cost, budget)
+        pareto = allocate.front(increase, cost)
+    report.info(f"search: predicted worst-domain KLD {chosen.worst:.4f} at {chosen.bytes + fixed} bytes")
+
+    mix = {n: specs[chosen.pick[gi]] for gi, g in enumerate(groups) for n in g}
+    chosen_raw = _chosen_recipe(raw, stage.name, mix)
+    write_text_atomic(out / "recipe.yaml", "# written by quantkit search (search.json has why)\n"
+                      + yaml.safe_dump(chosen_raw, sort_keys=False, width=120))
+    with report.timed("quantize"):
+        summary = run_quantize(parse_recipe(chosen_raw, str(out / "recipe.yaml")), overwrite, report)
+    artifact = Path(recipe.export.output) / fmt
+    written = _written_bytes(artifact)
+    with report.timed("measure"):
+        got = _measure(artifact, recipe, sample)
+    body = {
+        "recipe": str(path),
+        "chosen_recipe": str(out / "recipe.yaml"),
+        "artifact": str(artifact),
+        "domains": got["domains"],
+        "candidates": [label(s) for s in specs],
+        "budget_bytes": budget + fixed,
+        "fixed_bytes": fixed,
+        "predicted": {"bytes": chosen.bytes + fixed, "kld": dict(zip(got["domains"], chosen.predicted)),
+                      "worst": chosen.worst},
+        "measured": {"bytes": written, "kld": dict(zip(got["domains"], got["kld"])), "worst": max(got["kld"])},
+        "groups": [{"linears": list(g), "choice": label(specs[chosen.pick[gi]]),
+                    "bytes": [int(x) for x in cost[gi]], **measured[gi]} for gi, g in enumerate(groups)],
+        "pareto": [{"bytes": p.bytes + fixed, "worst": p.worst, "kld": dict(zip(got["domains"], p.predicted)),
+                    "mix": _counts(p.pick, specs)} for p in pareto],
+        "checks": _agreement(measured),
+        "timings": report.timings | {"total": round(time.perf_counter() - start, 1)},
+        "quantize": {k: summary.get(k) for k in ("timings", "formats") if k in summary},
+    }
+    write_json_atomic(out / "search.json", body)
+    write_text_atomic(out / "layers.md", _layers_table(body))
+    plots.pareto(body, out / "pareto.png")
+    report.info(f"search: measured worst-domain KLD {body['measured']['worst']:.4f} (predicted "
+                f"{chosen.worst:.4f}) at {written} bytes (budget {budget + fixed}); {out}")
+    return body
+
+
+def _budget(cfg: Search, stage_args, targets, info, fmt, dtype, fixed: int, path: str) -> int:
+    """Bytes the searched Linears may take together."""
+    b = cfg.budget
+    if b.weight_bytes is not None:
+        if b.weight_bytes <= fixed:
+            raise QuantkitError(f"{path}: search.budget.weight_bytes: {b.weight_bytes} bytes; the tensors no "
+                                f"candidate changes (embeddings, norms, float Linears) already take {fixed}")
+        return b.weight_bytes - fixed
+    if b.bits_per_weight is not None:
+        return int(b.bits_per_weight * sum(m.weight.numel() for m in targets.values()) / 8)
+    spec = grid_of(b.same_bytes_as, stage_args, f"{path}: search.budget.same_bytes_as")
+    return sum(sizes.linear_bytes(n, m, spec, fmt, info, dtype) for n, m in targets.items())
+
+
+def _sensitivity(recipe: Recipe, cfg: Search, loaded, blocks, targets, groups, specs, key, out: Path,
+                 report: Reporter) -> tuple[list[dict], sensitivity.Sample]:
+    """Per group: each candidate's output error and KLD increase per domain (measured or scaled), block by block."""
+    model, stage = loaded.model, recipe.stage
+    cache = sensitivity.BlockCache(out / "sensitivity", key)
+    with report.timed("score_text"):
+        sample = sensitivity.score_sample(cfg, loaded, blocks, recipe.model, recipe.dtype,
+                                          recipe.calibration.seed if recipe.calibration else 0, report)
+    # the Hessians solve each candidate (GPTQ) and weigh its output error; without calibration (RTN) the error is
+    # the weights' own
+    need_data = recipe.calibration is not None
+    if need_data:
+        cal = calibration.build(loaded.tokenizer, recipe.calibration, recipe.model, recipe.dtype,
+                                torch.device("cpu"), report).tokens
+        hidden, _ = capture_block_inputs(model, blocks, cal)
+        calls = sensitivity.call_args(model, blocks, cal)
+    solver = sensitivity.Solver(stage.weights, stage.method.solves)
+    gram = torch.bfloat16 if getattr(stage.weights, "hessian_dtype", "float32") == "bfloat16" else torch.float32
+    by_block: dict[int, list[int]] = {}
+    for gi, g in enumerate(groups):
+        by_block.setdefault(_index(g[0]), []).append(gi)
+    checks = set(np.linspace(0, len(groups) - 1, cfg.checks).round().astype(int).tolist()) if cfg.checks else set()
+    share = sensitivity.shared_inputs(list(targets))
+    result: list[dict | None] = [None] * len(groups)
+    with torch.no_grad():
+        for i in report.steps("search: sensitivity, block", len(blocks)):
+            mine = by_block.get(i, [])
+            cached = cache.get(i)
+            linears = {n: targets[n] for gi in mine for n in groups[gi]}
+            if cached is not None:
+                for gi, body in zip(mine, cached):
+                    result[gi] = body
+                if need_data:
+                    hidden = sensitivity.block_hessians(blocks[i], {}, share, hidden, calls[i], gram)[1]
+                continue
+            hess = {}
+            if need_data:
+                hess, hidden = sensitivity.block_hessians(blocks[i], linears, share, hidden, calls[i], gram)
+                hess = {n: h.value() for n, h in hess.items()}
+            bodies = []
+            for gi in mine:
+                bodies.append(_group(groups[gi], targets, share, hess, specs, solver, stage.method, model, blocks,
+                                     i, sample, cfg.measure == "all" or gi in checks))
+                result[gi] = bodies[-1]
+            cache.put(i, bodies)
+    return result, sample  # type: ignore[return-value]
+
+
+def _index(name: str) -> int:
+    """The decoder block of a Linear's name (model.layers.<i>. ...)."""
+    parts = name.split(".")
+    return next(int(p) for p in parts if p.isdigit())
+
+
+def _group(names, targets, share, hess, specs, solver, method, model, blocks, i, sample, measure_all) -> dict:
+    originals = {n: targets[n].weight.data for n in names}
+    candidates: list[dict[str, torch.Tensor] | None] = []
+    errors: list[float] = []
+    for spec in specs:
+        if spec is None:
+            candidates.append(None)
+            errors.append(0.0)
+            continue
+        deq: dict[str, torch.Tensor] = {}
+        readers: dict[str, list[str]] = {}
+        for n in names:
+            readers.setdefault(share[n], []).append(n)
+        err = 0.0
+        for first, members in readers.items():
+            h = hess.get(first)
+            h = h if h is not None else torch.eye(originals[first].shape[1])
+            ws = solver.weights([originals[n] for n in members], h, spec, method, first)
+            for n, q in zip(members, ws):
+                deq[n] = q
+                err += sensitivity.output_error(originals[n], q, h)
+        candidates.append(deq)
+        errors.append(err)
+    lossy = [c for c, s in enumerate(specs) if s is not None]
+    ref = max(lossy, key=lambda c: errors[c])
+    measured: dict[int, list[float]] = {}
+    for c in (lossy if measure_all else [ref]):
+        for n in names:
+            targets[n].weight.data = candidates[c][n]
+        try:
+            measured[c] = sensitivity.tail_kld(model, blocks, i, sample)
+        finally:
+            for n in names:
+                targets[n].weight.data = originals[n]
+    domains = len(sample.domains)
+    increase = []
+    for c, spec in enumerate(specs):
+        if spec is None:
+            increase.append([0.0] * domains)
+        elif c in measured:
+            increase.append([max(x, 0.0) for x in measured[c]])
+        else:
+            scale = errors[c] / errors[ref] if errors[ref] > 0 else 0.0
+            increase.append([max(x, 0.0) * scale for x in measured[ref]])
+    scaled = {c: [max(x, 0.0) * (errors[c] / errors[ref] if errors[ref] > 0 else 0.0) for x in measured[ref]]
+              for c in measured if c != ref}
+    return {"errors": errors, "reference": ref, "increase": increase,
+            "checked": {str(c): {"measured": measured[c], "scaled": scaled[c]} for c in scaled}}
+
+
+def _chosen_recipe(raw: dict, method: str, mix: dict[str, object]) -> dict:
+    """The recipe as written, its weight stage at the mix's most common grid (by Linears' weights) and an override
+    per other grid naming its Linears."""
+    counts: dict[object, int] = {}
+    for spec in mix.values():
+        counts[spec] = counts.get(spec, 0) + 1
+    default = max((s for s in counts if s is not None), key=lambda s: counts[s], default=None)
+    if default is None:
+        raise QuantkitError("search: the budget left every Linear unquantized; lower the budget")
+    out = {k: v for k, v in raw.items()}
+    stages = [dict(s) for s in raw["stages"]]
+    args = dict(stages[-1][method] or {})
+    args.update(bits=default.bits, group_size=default.group_size, sym=default.sym)
+    args.pop("scheme", None)  # a preset's grid would fight the one written out
+    stages[-1] = {method: args}
+    out["stages"] = stages
+    overrides = []
+    for spec in sorted((s for s in counts if s != default), key=lambda s: (s is None, label(s))):
+        names = sorted(n for n, s in mix.items() if s == spec)
+        grid = {"unquantized": True} if spec is None else {"bits": spec.bits, "group_size": spec.group_size,
+                                                             "sym": spec.sym}
+        overrides.append({"targets": names, **grid})
+    if overrides:
+        out["overrides"] = overrides
+    return out
+
+
+def _written_bytes(artifact: Path) -> int:
+    return sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
+
+
+def _measure(artifact: Path, recipe: Recipe, sample: sensitivity.Sample) -> dict:
+    """The artifact's KLD per domain on the scored text, run by quantkit's runtime."""
+    quant = runtime.load(str(artifact), recipe.dtype)
+    with torch.no_grad():
+        kld = sample.kld(quant.model(input_ids=sample.ids, use_cache=False).logits)
+    return {"domains": sample.domains, "kld": kld}
+
+
+def _counts(pick: list[int], specs) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in pick:
+        out[label(specs[c])] = out.get(label(specs[c]), 0) + 1
+    return out
+
+
+def _agreement(measured: list[dict]) -> dict:
+    """How the scaled increases compare with measured ones where both exist (the check groups)."""
+    pairs = [(s, m) for g in measured for c in g["checked"].values()
+             for s, m in zip(c["scaled"], c["measured"]) if m > 0]
+    if not pairs:
+        return {"pairs": 0}
+    s, m = np.array(pairs).T
+    return {"pairs": len(pairs), "median_ratio_scaled_to_measured": float(np.median(s / m)),
+            "spearman": float(_spearman(s, m)) if len(pairs) > 2 else None}
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = a.argsort().argsort(), b.argsort().argsort()
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _layers_table(body: dict) -> str:
+    domains = body["domains"]
+    lines = ["| Linears | grid | " + " | ".join(f"ΔKLD {d}" for d in domains) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in domains) + " |"]
+    cands = body["candidates"]
+    for g in body["groups"]:
+        inc = g["increase"][cands.index(g["choice"])]
+        lines.append(f"| {', '.join(g['linears'])} | {g['choice']} | " + " | ".join(f"{x:.5f}" for x in inc) + " |")
+    return "\n".join(lines) + "\n"
+
+
+
+def _fused_groups(names: list[str]) -> list[tuple[str, ...]]:
+    """The Linears that must share a grid: q/k/v, gate/up (FUSED), all experts of one MoE layer; the rest alone."""
+    import re
+
+    from ..algorithms.fp4 import FUSED
+
+    keys: dict[tuple, list[str]] = {}
+    for n in names:
+        parent, _, leaf = n.rpartition(".")
+        experts = re.match(r"(.*\.experts)\.\d+\.", n)
+        fused = next((f for f in FUSED if leaf in f), None)
+        key = (experts.group(1),) if experts else (parent, fused) if fused else (n,)
+        keys.setdefault(key, []).append(n)
+    return [tuple(v) for v in keys.values()]
