@@ -28,6 +28,7 @@ from .methods.config import error as _error
 from .methods.gptq import GPTQ  # noqa: F401
 from .methods.rtn import RTN  # noqa: F401
 from .methods.smoothquant import SmoothQuant  # noqa: F401
+from .overrides import Override, check as check_overrides
 
 
 class CalibrationPart(_Strict):
@@ -225,6 +226,7 @@ class Recipe(_Strict):
     calibration: Calibration | None = None
     moe: MoE = MoE()
     stages: list[Stage] = Field(min_length=1)
+    overrides: list[Override] = []  # per-layer grids (quantkit/overrides.py); later ones win
     kv_cache: KVCache | None = None
     export: Export
     release: Release = Release()
@@ -232,10 +234,13 @@ class Recipe(_Strict):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
-        # no kv_cache: left out, so the dump of a recipe without one (quantkit.json, the resume key) is as before
+        # no kv_cache, no overrides: left out, so the dump of a recipe without them (quantkit.json, the resume key)
+        # is as before
         data = handler(self)
-        if isinstance(data, dict) and data.get("kv_cache", 0) is None:
-            del data["kv_cache"]
+        if isinstance(data, dict):
+            for key, unset in (("kv_cache", None), ("overrides", [])):
+                if key in data and data[key] == unset:
+                    del data[key]
         return data
 
     @model_validator(mode="after")
@@ -313,6 +318,7 @@ class Recipe(_Strict):
             problem = formats.get(fmt).check_scheme(scheme)
             if problem:
                 raise _error("{path}.{field}: {problem}", path=path, field=problem[0], problem=problem[1])
+        check_overrides(self.overrides, args, path, stage.method.rounds_float, self.export.formats)
 
     @property
     def stage(self) -> Stage:

@@ -87,7 +87,7 @@ def quantized_state_dict(
             continue
         # KV cache scales stay float32: amax / 448, which a 16-bit dtype would round
         state[name] = t.to(dtype) if t.is_floating_point() and not kv_scale(name) else t
-    return state, {prefix: codec.decode(parts, qcfg) for prefix, parts in modules.items()}
+    return state, {prefix: codec.decode_of(parts, qcfg, prefix) for prefix, parts in modules.items()}
 
 
 def load(path: str, dtype: str = "auto", int4_device: torch.device | None = None, int4_backend: str = "auto") -> Loaded:

@@ -313,8 +313,10 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model, names: moe.Checkpoin
         if id(t) not in seen:
             seen.add(id(t))
             expected[name] = t
+    stored_as = names.inverse()  # the quantization_config names the artifact's modules
     try:
         stored = codec.layout(qcfg)
+        layouts = {p: codec.layout_of(qcfg, stored_as.module(p)) for p in modules} if codec.mixed else {}
     except (KeyError, ValueError, TypeError, AttributeError, StopIteration, QuantkitError) as err:
         return v.add("layout", False, f"config.json: quantization_config: {type(err).__name__}: {first_line(err)}")
     packing, shapes, dtypes = [], [], []
@@ -323,12 +325,12 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model, names: moe.Checkpoin
         if want is None:
             shapes.append(f"{prefix}: quantized, but config.json's model has no such Linear")
             continue
-        wrong = layout.check_module(stored, prefix, parts, *want.shape)
+        wrong = layout.check_module(layouts.get(prefix, stored), prefix, parts, *want.shape)
         if wrong:  # decoding mistyped or misshapen words would only report an echo of this
             packing += wrong
             continue
         try:
-            got = list(codec.decode(parts, qcfg).shape)
+            got = list(codec.decode_of(parts, qcfg, stored_as.module(prefix)).shape)
         except Exception as err:  # a decoder indexing missing or mis-shaped parts: report which module
             shapes.append(f"{prefix}: cannot decode ({type(err).__name__}: {first_line(err)})")
             continue

@@ -30,7 +30,7 @@ def test_defaults_follow_the_contract():
     (lambda d: d["stages"][0]["gptq"].update(group_size=48), "stages.0.gptq.group_size: Input should be -1, 16, 32, 64, 128 or 256 (got 48)"),
     (lambda d: d["stages"][0].update(awq={}), "stages.0: a stage is exactly one of: gptq, rtn, smoothquant, awq"),
     (lambda d: d["stages"][0].update(fp4={}), "stages.0: unknown key 'fp4' (accepted: gptq, rtn, smoothquant, awq)"),
-    (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, load, calibration, moe, stages, kv_cache, export, release, gates)"),
+    (lambda d: d.update(modle="x"), "unknown key 'modle' (accepted: model, dtype, device, load, calibration, moe, stages, overrides, kv_cache, export, release, gates)"),
     (lambda d: d["stages"][0]["gptq"].update(damp=0), "stages.0.gptq.damp: Input should be greater than 0"),
     (lambda d: d["stages"][0]["gptq"].update(hessian_dtype="float16"),
      "stages.0.gptq.hessian_dtype: Input should be 'float32' or 'bfloat16' (got 'float16')"),

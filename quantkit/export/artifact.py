@@ -168,7 +168,9 @@ class ArtifactWriter:
         self.names = names or (lambda key: key)
         self.dest, self.fmt, self.format, self.dtype = Path(dest), fmt, formats.get(fmt), dtype
         self.info = info if names is None else replace(
-            info, unquantized_linears=[names.module(n) for n in info.unquantized_linears])
+            info, unquantized_linears=[names.module(n) for n in info.unquantized_linears],
+            overrides={names.module(n): spec for n, spec in info.overrides.items()},
+            linears=[names.module(n) for n in info.linears])
         if self.dest.exists() and not overwrite:
             raise QuantkitError(f"export.output: {self.dest} already exists (pass --overwrite to replace it)")
         self.tmp = self.dest.parent / f".{self.dest.name}.partial-{os.getpid()}"

@@ -29,6 +29,13 @@ class QuantInfo:
     act_group: int | None = None
     act_observer: str = "minmax"  # how static input scales were chosen (algorithms/observers.py)
     kv_cache: str | None = None  # None: a 16-bit KV cache; tensor | head: FP8 with k / v scales of that strategy
+    # Linear name -> its grid where it differs from spec (the recipe's overrides; empty for a uniform recipe)
+    overrides: dict[str, GridSpec] = field(default_factory=dict)
+    linears: list[str] = field(default_factory=list)  # the quantized Linears' full names, in model order
+
+    def spec_for(self, name: str) -> GridSpec | Fp4Spec:
+        """The grid Linear `name` is rounded to."""
+        return self.overrides.get(name, self.spec)
 
     @property
     def scheme(self) -> Scheme:

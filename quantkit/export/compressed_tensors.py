@@ -23,6 +23,8 @@ The quantization_config is produced by compressed-tensors' own pydantic classes.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
@@ -131,7 +133,7 @@ def decode_float_module(t: dict[str, torch.Tensor], block: tuple[int, int] | Non
     return Fp8Weight(q, _channel_scale(t).float(), None if input_scale is None else input_scale.float().reshape(1))
 
 
-def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
+def decode_module(t: dict[str, torch.Tensor], qcfg: dict, module: str | None = None) -> QuantizedTensor:
     fmt = format_of(qcfg)
     if fmt == INT:
         return decode_int_module(t)
@@ -139,8 +141,9 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
         return decode_float_module(t, block_of(qcfg))
     if fmt in ct_fp4.PRESET:
         return ct_fp4.decode_module(t, fmt)
-    # quantkit (and llm-compressor's W4A16 presets) write a single config group targeting Linear
-    w = next(iter(qcfg["config_groups"].values()))["weights"]
+    # a uniform recipe (and llm-compressor's W4A16 presets) has one config group targeting Linear; a mixed one a group
+    # per grid (group_for)
+    w = group_for(qcfg, module)["weights"]
     bits, sym = int(w["num_bits"]), bool(w["symmetric"])
     out, cols = (int(x) for x in t["weight_shape"])
     scale = t["weight_scale"]
@@ -196,9 +199,10 @@ def kv_cache_scheme(strategy: str) -> QuantizationArgs:
     return QuantizationArgs(num_bits=8, type="float", symmetric=True, dynamic=False, strategy=KV_STRATEGIES[strategy])
 
 
-def _config(scheme: QuantizationScheme, info: QuantInfo, fmt: str) -> dict:
+def _config(scheme: QuantizationScheme | list[QuantizationScheme], info: QuantInfo, fmt: str) -> dict:
+    schemes = scheme if isinstance(scheme, list) else [scheme]
     config = QuantizationConfig(
-        config_groups={"group_0": scheme},
+        config_groups={f"group_{i}": s for i, s in enumerate(schemes)},
         ignore=sorted(info.unquantized_linears),
         format=fmt,
         quantization_status="compressed",
@@ -218,8 +222,20 @@ def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: t
         for name, qw in qweights.items()
         for suffix, t in encode_module(qw, scale_dtype).items()
     }
-    spec = info.spec
-    args = QuantizationArgs(
+    if not info.overrides:
+        scheme = QuantizationScheme(targets=["Linear"], weights=_int_args(info.spec, info), format=PACKED)
+        return Encoded(tensors, _config(scheme, info, PACKED))
+    by_spec: dict[GridSpec, list[str]] = {info.spec: []}
+    for name in info.linears:
+        by_spec.setdefault(info.spec_for(name), []).append(name)
+    schemes = [QuantizationScheme(targets=name_targets(names, info.block_linears_prefix),
+                                  weights=_int_args(spec, info), format=PACKED)
+               for spec, names in by_spec.items() if names]
+    return Encoded(tensors, _config(schemes, info, PACKED))
+
+
+def _int_args(spec: GridSpec, info: QuantInfo) -> QuantizationArgs:
+    return QuantizationArgs(
         num_bits=spec.bits,
         type="int",
         symmetric=spec.sym,
@@ -228,8 +244,41 @@ def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: t
         actorder="weight" if info.act_order else None,  # static groups: no g_idx needed
         observer="minmax",
     )
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
-    return Encoded(tensors, _config(scheme, info, "pack-quantized"))
+
+
+def name_targets(names: list[str], prefix: str) -> list[str]:
+    """Config group targets that match exactly `names` among the model's Linears: one anchored regex per Linear of a
+    block, listing the blocks that have it in this group (a MoE layer's experts share one grid: any expert index).
+    No class name ('Linear'): vLLM and compressed-tensors give a name or regex match precedence over it in different
+    orders for fused layers, and each Linear must find its own group in both."""
+    blocks: dict[str, list[str]] = {}
+    exact = []
+    for name in names:
+        head, sep, rest = name.partition(prefix + ".")
+        index, _, inside = rest.partition(".")
+        if head or not sep or not index.isdigit():
+            exact.append(name)
+            continue
+        key = re.escape(re.sub(r"(?<=experts\.)\d+(?=\.)", "@", inside)).replace("@", r"\d+")
+        if index not in blocks.setdefault(key, []):
+            blocks[key].append(index)
+    alternatives = {key: "|".join(sorted(idx, key=int)) for key, idx in blocks.items()}
+    return exact + [f"re:^{re.escape(prefix)}\\.{f'(?:{alt})' if '|' in alt else alt}\\.{key}$"
+                    for key, alt in alternatives.items()]
+
+
+def group_for(qcfg: dict, module: str | None) -> dict:
+    """The config group whose targets match Linear `module` as compressed-tensors matches them (an exact name, else a
+    regex, else the class name); the first group without a module."""
+    groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
+    if module is None or len(groups) == 1:
+        return groups[0]
+    for test in (lambda t: t == module, lambda t: t.startswith("re:") and re.match(t[3:], module) is not None,
+                 lambda t: t == "Linear"):
+        for g in groups:
+            if any(test(t) for t in g.get("targets") or []):
+                return g
+    raise QuantkitError(f"quantization_config.config_groups: no group targets {module}")
 
 
 _ROW_SCALE = Part(FLOATS, lambda d: [[d.out, 1], [1]])  # W8A8: per channel, or per tensor as llm-compressor writes
@@ -258,6 +307,7 @@ class CompressedTensors(Format):
     kinds = ("int", "float", "fp4")
     weight_only = False
     kv_cache = True
+    mixed = True
     loaders = [
         ("vLLM / SGLang", "vllm serve {path}"),
         ("transformers (with compressed-tensors)", "AutoModelForCausalLM.from_pretrained('{path}')"),
@@ -271,10 +321,10 @@ class CompressedTensors(Format):
     def marker(self, qcfg: dict) -> str:
         return marker(qcfg)
 
-    def decode(self, parts: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
-        return decode_module(parts, qcfg)
+    def decode(self, parts: dict[str, torch.Tensor], qcfg: dict, module: str | None = None) -> QuantizedTensor:
+        return decode_module(parts, qcfg, module)
 
-    def layout(self, qcfg: dict) -> Layout:
+    def layout(self, qcfg: dict, module: str | None = None) -> Layout:
         kind = format_of(qcfg)
         block = block_of(qcfg) if kind == FLOAT else None
         if block:
@@ -283,7 +333,7 @@ class CompressedTensors(Format):
             return Layout(kind, ct_fp4.parts(kind), 4, ct_fp4.SPECS[ct_fp4.PRESET[kind]].group_size)
         if kind != PACKED:
             return Layout(kind, PARTS[kind], 8, -1)
-        w = next(iter(qcfg["config_groups"].values()))["weights"]
+        w = group_for(qcfg, module)["weights"]
         return Layout(kind, PARTS[kind], int(w["num_bits"]), int(w.get("group_size") or -1))
 
     def activations(self, qcfg: dict) -> str | None:

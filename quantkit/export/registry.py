@@ -29,6 +29,7 @@ class Format(ABC):
     kinds: ClassVar[tuple[str, ...]] = ("int",)  # Scheme.kind values it stores
     weight_only: ClassVar[bool] = True  # False: also W8A8 (quantized activations)
     kv_cache: ClassVar[bool] = False  # True: carries an FP8 KV cache's k / v scales (QuantInfo.kv_cache)
+    mixed: ClassVar[bool] = False  # True: stores Linears of different int grids (QuantInfo.overrides)
     loaders: ClassVar[list[tuple[str, str]]] = []  # (who, how with '{path}') for the model card
 
     def check_scheme(self, scheme: Scheme) -> tuple[str, str] | None:
@@ -70,11 +71,20 @@ class Format(ABC):
         """The tensor suffix that marks a quantized module in a checkpoint of this quantization_config."""
 
     @abstractmethod
-    def decode(self, parts: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor: ...
+    def decode(self, parts: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
+        """A `mixed` format's takes a third argument, `module`: the Linear's name, whose grid it reads."""
 
     @abstractmethod
     def layout(self, qcfg: dict) -> Layout:
-        """KeyError / ValueError / QuantkitError when the quantization_config lacks what it needs."""
+        """KeyError / ValueError / QuantkitError when the quantization_config lacks what it needs. A `mixed`
+        format's takes `module` too."""
+
+    def decode_of(self, parts: dict[str, torch.Tensor], qcfg: dict, module: str) -> QuantizedTensor:
+        """decode() of Linear `module`, on its own grid where the checkpoint stores several."""
+        return self.decode(parts, qcfg, module) if self.mixed else self.decode(parts, qcfg)  # type: ignore[call-arg]
+
+    def layout_of(self, qcfg: dict, module: str) -> Layout:
+        return self.layout(qcfg, module) if self.mixed else self.layout(qcfg)  # type: ignore[call-arg]
 
     def activations(self, qcfg: dict) -> str | None:
         """int8 | fp8 when the checkpoint's Linears quantize their inputs (W8A8 layers), else None."""

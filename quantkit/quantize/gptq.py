@@ -56,7 +56,7 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     block's quantized weights wait there until they are read again: the solve meets neither every window's input
     nor the block. An expert Linear whose Hessian saw fewer
     than moe_args.min_tokens tokens (routed-only calibration) gets RTN instead."""
-    spec, act = result.info.spec, result.info.activations
+    act = result.info.activations
     by_name = {n: m for m, n in names.items()}
     parts = [hidden] if micro is None else microbatches.split(hidden, micro)
     step = microbatches.InStep(len(parts))
@@ -139,7 +139,9 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
                 todo = [name] + [block + m for m in groups.get(name.removeprefix(block), ())
                                  if block + m != name and block + m in by_name and block + m not in result.qweights]
                 if st["solver"] is None:  # one factorization of st's Hessian for every Linear that reads its input
-                    st["solver"] = _solver(st.pop("h"), args, spec, report, name)
+                    readers = [name] + [block + m for m in groups.get(name.removeprefix(block), ())]
+                    st["solver"] = _solvers(st.pop("h"), args, [n for n in readers if n in by_name], result, report,
+                                            name)
                 # the float weights are swapped out right after (_install): the solve need not hold them
                 _solve_group(todo, lambda: st["solver"], by_name, st["count"], result, ranks, release=True)
                 group = groups.get(name.removeprefix(block))
@@ -191,7 +193,19 @@ def _hessian(module: nn.Linear, device: torch.device, args: WeightQuant) -> Hess
     return Hessian(module.in_features, device, getattr(torch, args.hessian_dtype))
 
 
-def _solver(h: Hessian, args: WeightQuant, spec: GridSpec, report: Reporter, first: str) -> GPTQ:
+def _solvers(h: Hessian, args: WeightQuant, readers: list[str], result: QuantResult, report: Reporter,
+             first: str) -> dict[GridSpec, GPTQ]:
+    """A factorization of h per grid among the Linears that read its input: one, unless overrides give them several
+    grids (a parallel block's attention and MLP, a MoE layer's shared expert beside its experts); then each is
+    made from a copy of the Hessian (act-order permutes it by the grid's groups)."""
+    specs = list(dict.fromkeys(result.info.spec_for(n) for n in readers))
+    if len(specs) == 1:
+        return {specs[0]: _solver(h, args, specs[0], report, first)}
+    matrix = h.take()
+    return {s: _solver(matrix, args, s, report, first) for s in specs}
+
+
+def _solver(h: Hessian | torch.Tensor, args: WeightQuant, spec: GridSpec, report: Reporter, first: str) -> GPTQ:
     """One factorization of h for the Linears that read its input (first: the one its errors name). The solver
     consumes the Hessian's sum: it holds the only copy of the matrix while it factors it."""
     try:
@@ -207,7 +221,7 @@ def _few_tokens(module: nn.Linear, name: str, count: int, args: WeightQuant, res
     """An expert Linear whose Hessian saw fewer than moe.min_tokens routed tokens: RTN, with a warning."""
     report.warn(f"{name}: only {count} calibration tokens routed to this expert "
                 f"(moe.min_tokens {moe_args.min_tokens}); quantized with RTN")
-    result.qweights[name], result.losses[name] = round_linear(module, args, result.info.spec)
+    result.qweights[name], result.losses[name] = round_linear(module, args, result.info.spec_for(name))
     result.tokens[name] = count
 
 
@@ -224,20 +238,23 @@ def _too_few(count: int, name: str, moe_args: MoE) -> bool:
     return count < moe_args.min_tokens and _expert(name) is not None
 
 
-def _solve_group(group: list[str], solver: Callable[[], GPTQ], by_name: dict[str, nn.Linear], tokens: int,
-                 result: QuantResult, ranks: Ranks, release: bool) -> None:
+def _solve_group(group: list[str], solvers: Callable[[], dict[GridSpec, GPTQ]], by_name: dict[str, nn.Linear],
+                 tokens: int, result: QuantResult, ranks: Ranks, release: bool) -> None:
     """GPTQ of the Linears in group, which read one input: each on its owner rank (a solve costs out x in²), in
-    one pass over their rows of solver(), then installed on every rank. release: the solve may free the float
-    weights as it goes."""
+    one pass per grid over their rows of solvers()'s factorization for it, then installed on every rank. release:
+    the solve may free the float weights as it goes."""
     owner = ranks.owners({n: by_name[n].out_features * by_name[n].in_features ** 2 for n in group})
     mine = [n for n in group if owner[n] == ranks.rank]
-    if mine:  # NVFP4: the fused layers' global scales, from their float weights (before the solve releases them)
-        gptq = solver()
-        shared = [global_scale_for(by_name[n], gptq.spec) for n in mine] if isinstance(gptq.spec, Fp4Spec) else None
-        solved = dict(zip(mine, gptq.quantize_many([by_name[n].weight.data for n in mine], release=release,
-                                                   global_scales=shared)))
-    else:
-        solved = {}
+    solved = {}
+    by_spec: dict[GridSpec, list[str]] = {}
+    for n in mine:
+        by_spec.setdefault(result.info.spec_for(n), []).append(n)
+    made = solvers() if mine else {}
+    for spec, names in by_spec.items():  # NVFP4: the fused layers' global scales, from their float weights (before
+        gptq = made[spec]  # the solve releases them)
+        shared = [global_scale_for(by_name[n], spec) for n in names] if isinstance(spec, Fp4Spec) else None
+        solved |= dict(zip(names, gptq.quantize_many([by_name[n].weight.data for n in names], release=release,
+                                                     global_scales=shared)))
     _install(group, solved, owner, by_name, tokens, result, ranks)
 
 
@@ -274,7 +291,7 @@ def waves(run, hidden: HiddenStates, names: dict[nn.Linear, str], args: WeightQu
     Linear that must wait for this wave. Linears reading one tensor (q/k/v, gate/up, every expert's gate/up when
     every expert sees every token) share one Hessian and one factorization. Each forward runs `micro` windows at a
     time (the Hessians still add window by window, in window order)."""
-    spec, act = result.info.spec, result.info.activations
+    act = result.info.activations
     by_name = {n: m for m, n in names.items()}
     while True:
         hessians: dict[str, Hessian] = {}  # wave's groups, by their first member's name
@@ -337,7 +354,7 @@ def waves(run, hidden: HiddenStates, names: dict[nn.Linear, str], args: WeightQu
                     for n in group:
                         _few_tokens(by_name[n], n, h.count, args, result, report, moe_args)
                     continue
-                _solve_group(group, lambda: _solver(h, args, spec, report, group[0]), by_name, h.count, result,
+                _solve_group(group, lambda: _solvers(h, args, group, result, report, group[0]), by_name, h.count, result,
                              ranks, release=False)
     unreached(names, args, result, report)
 
@@ -346,5 +363,5 @@ def unreached(names: dict[nn.Linear, str], args: WeightQuant, result: QuantResul
     for module, name in names.items():  # never called during the forward: no data, fall back to RTN
         if name not in result.qweights:
             report.warn(f"{name} was not reached by calibration data; quantized with RTN")
-            result.qweights[name], _ = round_linear(module, args, result.info.spec)
+            result.qweights[name], _ = round_linear(module, args, result.info.spec_for(name))
             result.losses[name] = float("nan")

@@ -57,15 +57,17 @@ def quantize(
     moe_args: MoE = MoE(),
     offload: Offload = Offload(),
     observers: Sequence = (),
+    overrides: Sequence = (),
 ) -> QuantResult:
     """stage: the weight stage; transforms: the transform stages before it, in recipe order; checkpoints: where
     the layer-wise run saves each finished block and resumes from (None: no checkpoints); source: where each block's
     weights come from and where a finished block goes (None: `model` is in memory); ranks: the processes sharing
     the calibration (a single one by default); moe_args: how experts are calibrated; offload: where the hidden
     states between blocks live and how many windows a block forward takes; observers: what else the quantized blocks'
-    forwards measure for the artifact (observers.py), their tensors added to result.extra_tensors."""
+    forwards measure for the artifact (observers.py), their tensors added to result.extra_tensors; overrides: the
+    recipe's per-layer grids (each Linear is rounded or solved on info.spec_for(its name))."""
     source = source or InMemory()
-    prefix, targets, info = plan(model, stage, formats, transforms)
+    prefix, targets, info = plan(model, stage, formats, transforms, overrides)
     # AWQ as the weight stage: its pass scales and clips each block, then the method rounds on its grid (_round_weights)
     own = [stage] if stage.method.transform else []
     passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1], ranks,
@@ -84,7 +86,7 @@ def quantize(
                 for name, module in targets.items():
                     if name.startswith(f"{prefix}.{i}."):
                         result.qweights[name], result.losses[name] = stage.method.round(module, stage.weights,
-                                                                                        info.spec)
+                                                                                        info.spec_for(name))
                 source.done(i, block, result.qweights)
         report.info(f"rtn: {len(targets)} Linear layers in {report.timings['rtn']:.1f} s")
     else:
@@ -288,7 +290,8 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
 def _round_weights(names: dict[nn.Linear, str], stage: Stage, result: QuantResult, report: Reporter) -> None:
     with report.timed("rtn"), torch.no_grad():
         for module, name in names.items():
-            result.qweights[name], result.losses[name] = stage.method.round(module, stage.weights, result.info.spec)
+            result.qweights[name], result.losses[name] = stage.method.round(module, stage.weights,
+                                                                            result.info.spec_for(name))
 
 
 def _observe_inputs(run, hidden: HiddenStates, names: dict[nn.Linear, str], stage: Stage, result: QuantResult,

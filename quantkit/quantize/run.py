@@ -73,7 +73,8 @@ def plan_run(recipe: Recipe, device: torch.device, report: Reporter, local_ranks
     skeleton = streamed.model if streamed else meta_model(recipe.model, *load_config(recipe.model, recipe.dtype))
     moe.unfuse(skeleton)  # what the pipeline will quantize (Streamed has unfused its own)
     _, blocks = decoder_blocks(skeleton)
-    _, targets, info = target_plan.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms)
+    _, targets, info = target_plan.plan(skeleton, recipe.stage, recipe.export.formats, recipe.transforms,
+                                        recipe.overrides)
     observers.check_model(skeleton, recipe)
     info = replace(info, kv_cache=recipe.kv_cache and recipe.kv_cache.strategy)
     files = (0, False) if streamed else memory.weight_files(folder, gguf)
@@ -234,7 +235,7 @@ def _run(recipe: Recipe, overwrite: bool, report: Reporter, resume: bool, ranks:
         with report.timed("quantize"):  # the stage's own phases are timed inside the pipeline
             result = pipeline.quantize(model, recipe.stage, calib, device, recipe.export.formats, report,
                                        recipe.transforms, checkpoints, source, ranks, recipe.moe, offload,
-                                       observers.build(recipe))
+                                       observers.build(recipe), recipe.overrides)
         result.info = replace(result.info, kv_cache=planned.info.kv_cache)
         manifest = {
             "quantkit_version": versions["quantkit"],

@@ -16,7 +16,10 @@ from ..export import formats as format_registry
 from ..export.base import QuantInfo, scheme_of
 from ..families import pooled
 from ..model import block_linears, check_supported, decoder_blocks, matches
+from ..overrides import Override, fused_groups, resolve
 from ..recipe import Stage
+
+__all__ = ["QuantResult", "fused_groups", "plan"]
 
 
 @dataclass
@@ -30,10 +33,12 @@ class QuantResult:
 
 
 def plan(
-    model: nn.Module, stage: Stage, formats: list[str], transforms: Sequence[Stage] = ()
+    model: nn.Module, stage: Stage, formats: list[str], transforms: Sequence[Stage] = (),
+    overrides: Sequence[Override] = (),
 ) -> tuple[str, dict[str, nn.Linear], QuantInfo]:
-    """Which Linear layers get quantized, checked against the grid and the formats before any work.
-    transforms: the stages before the weight stage (its position in error messages, the method's name)."""
+    """Which Linear layers get quantized, on which grid, checked against the grids and the formats before any work.
+    transforms: the stages before the weight stage (its position in error messages, the method's name); overrides:
+    the recipe's per-layer grids (checked against the stage by the recipe)."""
     args, path = stage.weights, f"stages.{len(transforms)}.{stage.name}"
     spec = args.grid
     act = args.activations
@@ -49,14 +54,20 @@ def plan(
     targets = {n: m for n, m in in_blocks.items() if not matches(n, args.ignore)}
     if not targets:
         raise QuantkitError(f"{path}.ignore: every Linear layer is ignored; nothing to quantize")
+    specs, left_float, origin = resolve(list(overrides), args, list(targets), prefix, len(blocks))
+    targets = {n: m for n, m in targets.items() if n not in left_float}
+    if not targets:
+        raise QuantkitError("overrides: every Linear layer is left unquantized; nothing to quantize")
     for name, m in targets.items():
+        own = specs.get(name)
+        group_size, where = (args.group_size, path) if own is None else (own.group_size, f"overrides.{origin[name]}")
         if args.type == "fp4" and m.in_features % args.group_size:
             raise QuantkitError(f"{path}.scheme: {spec.preset} needs in_features a multiple of {args.group_size} "
                                 f"(its group size); {name} has {m.in_features}")
-        if args.group_size != -1 and m.in_features % args.group_size:
+        if group_size != -1 and m.in_features % group_size:
             divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
             raise QuantkitError(
-                f"{path}.group_size: {args.group_size} does not divide in_features "
+                f"{where}.group_size: {group_size} does not divide in_features "
                 f"{m.in_features} of {name}; use {' or '.join(map(str, divisors + [-1]))}"
             )
         if args.block is not None and (m.out_features % args.block[0] or m.in_features % args.block[1]):
@@ -67,7 +78,8 @@ def plan(
             raise QuantkitError(f"{path}.activations.group_size: {act.group_size} does not divide in_features "
                                 f"{m.in_features} of {name}")
         for fmt in formats:
-            problem = format_registry.get(fmt).check_linear(scheme, name, m.out_features, m.in_features)
+            own_scheme = scheme if own is None else scheme_of(own, None)
+            problem = format_registry.get(fmt).check_linear(own_scheme, name, m.out_features, m.in_features)
             if problem:
                 raise QuantkitError(problem)
     if getattr(spec, "global_scale", False):
@@ -89,5 +101,8 @@ def plan(
         act_strategy="token" if act is None else act.strategy,
         act_group=None if act is None else act.group_size,
         act_observer="minmax" if act is None else act.observer,
+        overrides=specs,
+        linears=list(targets),
     )
     return prefix, targets, info
+
