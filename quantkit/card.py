@@ -4,6 +4,7 @@ measured quality and speed with device and versions, the gates, the files' hashe
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -94,6 +95,27 @@ def _speed(bench: dict | None, artifact: str) -> list[str]:
     return lines + ["", f"Kernels: {kernels}."]
 
 
+def _mix(recipe: Recipe) -> list[str]:
+    """Per-layer grids of a mixed recipe (overrides, as `quantkit search` writes them): each grid's Linears by kind
+    and decoder block."""
+    if not recipe.overrides:
+        return []
+    w = recipe.stage.weights
+    lines = ["## Per-layer grids", "", f"Every quantized Linear not listed: {w.bits} bits, group {w.group_size}, "
+             f"{'symmetric' if w.sym else 'asymmetric'}.", "", "| grid | Linears (decoder blocks) |", "|---|---|"]
+    for o in recipe.overrides:
+        grid = "float" if o.unquantized else ", ".join(f"{k} {getattr(o, k)}" for k in ("bits", "group_size", "sym")
+                                                        if getattr(o, k) is not None)
+        kinds: dict[str, list[str]] = {}
+        for t in o.targets:
+            m = re.fullmatch(r".*?\.(\d+)\.(.+)", t)
+            kinds.setdefault(m[2] if m else t, []).append(m[1] if m else "")
+        shown = "; ".join(f"{k} ({', '.join(b for b in blocks if b)})" if any(blocks) else k
+                          for k, blocks in kinds.items())
+        lines.append(f"| {grid} | {shown}{' in blocks ' + str(o.layers) if o.layers is not None else ''} |")
+    return lines + [""]
+
+
 def card(recipe: Recipe, folder: Path, report: dict, results: list[gate_checks.GateResult]) -> str:
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
     fmt = manifest.get("format", folder.name)
@@ -106,6 +128,7 @@ def card(recipe: Recipe, folder: Path, report: dict, results: list[gate_checks.G
         f"`{recipe.model}` quantized with quantkit {manifest.get('quantkit_version')}: {stages}; format `{fmt}`.", "",
         "## Recipe", "", "```yaml",
         yaml.safe_dump(recipe.model_dump(mode="json", exclude={"release", "gates"}, exclude_none=True), sort_keys=False).rstrip(), "```", "",
+        *_mix(recipe),
         "## Calibration", "",
         (f"{calib['num_samples']} × {calib['seq_len']} tokens from {calib['source']}, sha256 `{calib['sha256']}`."
          if calib else "None (round-to-nearest needs no data)."), "",

@@ -39,3 +39,108 @@ def test_budget_below_the_cheapest_mix_is_one_line():
     with pytest.raises(QuantkitError, match=r"search.budget: 19 bytes .* cheapest candidate of every group already "
                                             r"takes 20"):
         allocate.allocate(inc, cost, 19)
+
+
+def _search_recipe(path, model, out, budget: str = "{same_bytes_as: {bits: 4, group_size: 32}}",
+                   candidates: str = "[{bits: 4, group_size: -1}, {bits: 4, group_size: 32}, {bits: 8, group_size: -1}, "
+                                     "unquantized]"):
+    path.write_text(
+        f"model: {model}\ndtype: float32\n"
+        "calibration: {dataset: mixture, num_samples: 16, seq_len: 64, seed: 0}\n"
+        "stages:\n  - gptq: {bits: 4, group_size: 32, sym: true, act_order: true}\n"
+        f"export: {{output: {out}, formats: [compressed-tensors]}}\n"
+        f"search:\n  candidates: {candidates}\n  budget: {budget}\n"
+        "  domains: [wikitext2, code, chat]\n  tokens: 128\n  seq_len: 64\n  checks: 2\n")
+    return path
+
+
+def _hashes(folder):
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors"))}
+
+
+def test_search_end_to_end(tiny_llama, tmp_path, monkeypatch):
+    """The chosen mix fits the budget on the written files, keeps fused layers whole, carries predicted and
+    measured KLD, and its recipe quantizes to the same bytes again; a second search reads its sensitivity back."""
+    from conftest import run_cli
+
+    from quantkit.search import sensitivity
+
+    out = tmp_path / "out"
+    recipe = _search_recipe(tmp_path / "r.yaml", tiny_llama, out)
+    assert run_cli(monkeypatch, "search", recipe, "--quiet") == 0
+    body = json.loads((out / "search" / "search.json").read_text())
+    artifact = out / "compressed-tensors"
+    written = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
+    assert body["measured"]["bytes"] == written <= body["budget_bytes"]
+    assert body["predicted"]["bytes"] <= body["budget_bytes"]
+    assert set(body["predicted"]["kld"]) == set(body["measured"]["kld"]) == {"wikitext2", "code", "chat"}
+    assert body["measured"]["worst"] == max(body["measured"]["kld"].values()) > 0
+    cands = body["candidates"]
+    assert cands == ["w4pc", "w4g32", "w8pc", "float"]
+    for g in body["groups"]:
+        inc = dict(zip(cands, g["increase"]))
+        assert inc["float"] == [0.0] * 3
+        assert all(a <= b for a, b in zip(inc["w8pc"], inc["w4pc"]))  # 8 bits never costs more than 4 here
+        if g["linears"][0].endswith("q_proj"):
+            assert [n.rpartition(".")[2] for n in g["linears"]] == ["q_proj", "k_proj", "v_proj"]
+    assert body["checks"]["pairs"] > 0
+    assert (out / "search" / "pareto.png").stat().st_size > 1000
+    # the written recipe: every fused group's members share one override (or none)
+    import yaml
+
+    chosen = yaml.safe_load((out / "search" / "recipe.yaml").read_text())
+    where = {n: i for i, o in enumerate(chosen.get("overrides", [])) for n in o["targets"]}
+    for g in body["groups"]:
+        assert len({where.get(n) for n in g["linears"]}) == 1
+    before = _hashes(artifact)
+    assert run_cli(monkeypatch, "quantize", out / "search" / "recipe.yaml", "--overwrite", "--quiet") == 0
+    assert _hashes(artifact) == before
+
+    def refuse(*a, **k):
+        raise AssertionError("sensitivity measured again")
+
+    monkeypatch.setattr(sensitivity, "tail_kld", refuse)
+    assert run_cli(monkeypatch, "search", recipe, "--overwrite", "--quiet") == 0
+    assert json.loads((out / "search" / "search.json").read_text())["groups"] == body["groups"]
+
+
+@pytest.mark.parametrize("budget, candidates, message", [
+    ("{bits_per_weight: 1.0}", None, r"search.budget: \d+ bytes for the searched Linears; the cheapest candidate of "
+                                     r"every group already takes \d+"),
+    ("{weight_bytes: 1KB}", None, r"search.budget.weight_bytes: 1000 bytes; the tensors no candidate changes "
+                                  r"\(embeddings, norms, float Linears\) already take \d+"),
+    ("{bits_per_weight: 4}", "[{bits: 4, group_size: 32}, fp8]",
+     r"search.candidates.1: 'fp8' is not a candidate; expected a grid \(\{bits, group_size, sym\}\) or unquantized"),
+    ("{bits_per_weight: 4}", "[{bits: 4, group_size: 32}, {bits: 5}]", r"search.candidates.1"),
+    ("{bits_per_weight: 4, weight_bytes: 1GB}", None, r"search.budget: give exactly one of"),
+])
+def test_search_bad_input_is_one_line(tiny_llama, tmp_path, monkeypatch, capsys, budget, candidates, message):
+    from conftest import run_cli
+
+    out = tmp_path / "out"
+    kw = {"candidates": candidates} if candidates else {}
+    recipe = _search_recipe(tmp_path / "r.yaml", tiny_llama, out, budget, **kw)
+    assert run_cli(monkeypatch, "search", recipe) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert __import__("re").search(message, err[0]), err[0]
+    assert not (out / "compressed-tensors").exists()
+
+
+def test_card_lists_the_per_layer_grids():
+    from quantkit import card
+    from quantkit.recipe import parse_recipe
+
+    r = parse_recipe({"model": "x", "stages": [{"rtn": {"bits": 4, "group_size": 64}}],
+                      "export": {"output": "o", "formats": ["compressed-tensors"]},
+                      "overrides": [{"targets": ["model.layers.0.mlp.down_proj", "model.layers.29.mlp.down_proj",
+                                                 "model.layers.3.self_attn.q_proj"], "bits": 8, "group_size": -1},
+                                    {"targets": ["mlp.gate_proj", "mlp.up_proj"], "layers": "2-4",
+                                     "unquantized": True}]})
+    lines = card._mix(r)
+    assert "| bits 8, group_size -1 | mlp.down_proj (0, 29); self_attn.q_proj (3) |" in lines
+    assert "| float | mlp.gate_proj; mlp.up_proj in blocks 2-4 |" in lines
+    assert card._mix(parse_recipe({"model": "x", "stages": [{"rtn": {"bits": 4, "group_size": 64}}],
+                                   "export": {"output": "o"}})) == []

@@ -29,10 +29,7 @@ class Choice:
 def allocate(increase: np.ndarray, cost: np.ndarray, budget: int) -> Choice:
     """increase [G, C, D] (KLD per domain), cost [G, C] (bytes); budget: bytes the groups may take together."""
     groups, cands, domains = increase.shape
-    cheapest = int(cost.min(axis=1).sum())
-    if cheapest > budget:
-        raise QuantkitError(f"search.budget: {budget} bytes for the searched Linears; the cheapest candidate of every "
-                            f"group already takes {cheapest}")
+    check_budget(cost, budget)
     n = groups * cands
     c = np.concatenate([TIE * increase.mean(axis=2).reshape(n), [1.0]])  # x (flattened g-major), then t
     rows = [LinearConstraint(np.concatenate([cost.reshape(n), [0.0]])[None], -np.inf, budget)]
@@ -48,6 +45,13 @@ def allocate(increase: np.ndarray, cost: np.ndarray, budget: int) -> Choice:
         raise QuantkitError(f"search: the allocation found no mix within the budget ({res.message})")
     pick = [int(np.argmax(res.x[g * cands:(g + 1) * cands])) for g in range(groups)]
     return choice(pick, increase, cost)
+
+
+def check_budget(cost: np.ndarray, budget: int) -> None:
+    cheapest = int(cost.min(axis=1).sum())
+    if cheapest > budget:
+        raise QuantkitError(f"search.budget: {budget} bytes for the searched Linears; the cheapest candidate of every "
+                            f"group already takes {cheapest}")
 
 
 def choice(pick: list[int], increase: np.ndarray, cost: np.ndarray) -> Choice:

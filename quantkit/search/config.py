@@ -3,7 +3,7 @@ search scores on. `quantkit quantize` ignores the block; `quantkit search` reads
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -51,21 +51,23 @@ class Search(Strict):
     domains: list[str] = Field(["suite"], min_length=1)
     tokens: int = Field(256, ge=16)  # scored tokens per domain (from its calibration split; self: fresh text)
     seq_len: int = Field(128, ge=8)
+    # the first this many of the recipe's calibration windows give the sensitivity pass its Hessians (None: all);
+    # the chosen mix is then quantized on all of them
+    calibration_samples: int | None = Field(128, ge=1)
     # the candidate every group's KLD increase is measured at: the lossiest (largest Hessian-weighted output error);
     # the others are scaled from it by their error, and `checks` groups are measured at every candidate to show how
     # well that scaling agrees (search.json). measure: all measures every group at every candidate.
     measure: Literal["lossiest", "all"] = "lossiest"
     checks: int = Field(6, ge=0)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _words(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("candidates"), list):
-            for i, c in enumerate(data["candidates"]):
-                if isinstance(c, str) and c != UNQUANTIZED:
-                    raise PydanticCustomError("candidate", "candidates.{i}: {c!r} is not a candidate; expected a grid "
-                                              "({{bits, group_size, sym}}) or unquantized", {"i": i, "c": c})
-        return data
+
+def check_words(block, path: str) -> None:
+    """A candidate written as a word other than unquantized (fp8, ...): one line, before pydantic's union error."""
+    cands = block.get("candidates") if isinstance(block, dict) else None
+    for i, c in enumerate(cands if isinstance(cands, list) else []):
+        if isinstance(c, str) and c != UNQUANTIZED:
+            raise QuantkitError(f"{path}: search.candidates.{i}: {c!r} is not a candidate; expected a grid "
+                                "({bits, group_size, sym}) or unquantized")
 
 
 def grid_of(candidate: Grid | str, stage_args, path: str) -> GridSpec | None:

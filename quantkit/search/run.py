@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from pydantic import ValidationError
+from pydantic import ValidationError, create_model
 
 from .. import runtime
 from ..errors import QuantkitError
@@ -26,7 +26,9 @@ from ..quantize.capture import capture_block_inputs
 from ..quantize.run import recipe_fingerprint, run_quantize
 from ..recipe import Recipe, format_validation_error, parse_recipe, read_yaml
 from . import allocate, plots, sensitivity, sizes
-from .config import Search, grid_of, label
+from .config import Search, check_words, grid_of, label
+
+_Block = create_model("SearchBlock", search=(Search, ...))
 
 
 def load(path: str) -> tuple[dict, Recipe, Search]:
@@ -36,10 +38,13 @@ def load(path: str) -> tuple[dict, Recipe, Search]:
         raise QuantkitError(f"{path}: search: the recipe has no search block (candidates, budget)")
     block = raw.pop("search")
     recipe = parse_recipe(raw, path)
+    check_words(block, path)
     try:
-        cfg = Search.model_validate(block)
+        cfg = _Block.model_validate({"search": block}).search
     except ValidationError as err:
-        raise QuantkitError(format_validation_error(err, f"{path}: search")) from None
+        raise QuantkitError(format_validation_error(err, path)) from None
+    if recipe.overrides:
+        raise QuantkitError(f"{path}: overrides: the search writes them (search/recipe.yaml); leave them out")
     if recipe.transforms:
         raise QuantkitError(f"{path}: stages: the search takes one weight stage (rtn or gptq); "
                             f"{recipe.transforms[0].name} before it is not searched yet")
@@ -59,13 +64,14 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     moe.unfuse(model)
     _, blocks = decoder_blocks(model)
     _, targets, info = target_plan.plan(model, stage, recipe.export.formats)
-    groups = _fused_groups(list(targets))
+    groups = target_plan.fused_groups(list(targets))
     dtype = next(model.parameters()).dtype if recipe.export.dtype == "auto" else torch_dtype(recipe.export.dtype)
     fmt = recipe.export.formats[0]
     cost = np.array([[sum(sizes.linear_bytes(n, targets[n], s, fmt, info, dtype) for n in g) for s in specs]
                      for g in groups], dtype=np.int64)
     fixed = sizes.fixed_bytes(model, set(targets), dtype)
     budget = _budget(cfg, stage.weights, targets, info, fmt, dtype, fixed, path)
+    allocate.check_budget(cost, budget)  # before any work
     report.info(f"search: {len(groups)} groups of {len(targets)} Linears x {len(specs)} candidates "
                 f"({', '.join(map(label, specs))}); budget {budget + fixed} bytes")
 
@@ -142,7 +148,7 @@ def _sensitivity(recipe: Recipe, cfg: Search, loaded, blocks, targets, groups, s
     need_data = recipe.calibration is not None
     if need_data:
         cal = calibration.build(loaded.tokenizer, recipe.calibration, recipe.model, recipe.dtype,
-                                torch.device("cpu"), report).tokens
+                                torch.device("cpu"), report).tokens[:cfg.calibration_samples]
         hidden, _ = capture_block_inputs(model, blocks, cal)
         calls = sensitivity.call_args(model, blocks, cal)
     solver = sensitivity.Solver(stage.weights, stage.method.solves)
@@ -306,18 +312,3 @@ def _layers_table(body: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-
-def _fused_groups(names: list[str]) -> list[tuple[str, ...]]:
-    """The Linears that must share a grid: q/k/v, gate/up (FUSED), all experts of one MoE layer; the rest alone."""
-    import re
-
-    from ..algorithms.fp4 import FUSED
-
-    keys: dict[tuple, list[str]] = {}
-    for n in names:
-        parent, _, leaf = n.rpartition(".")
-        experts = re.match(r"(.*\.experts)\.\d+\.", n)
-        fused = next((f for f in FUSED if leaf in f), None)
-        key = (experts.group(1),) if experts else (parent, fused) if fused else (n,)
-        keys.setdefault(key, []).append(n)
-    return [tuple(v) for v in keys.values()]

@@ -35,6 +35,7 @@ from ..quantize.capture import capture_block_inputs
 from .config import Search
 
 MICRO = 32  # calibration windows per block forward
+SELF_TOKENS = 2048
 
 
 @dataclass
@@ -60,8 +61,9 @@ def _domain_ids(name: str, cfg: Search, loaded: Loaded, spec: str, dtype: str, s
     windows = -(-cfg.tokens // cfg.seq_len)
     need = windows * cfg.seq_len
     if name == data.SELF:  # fresh text of the original's, not the calibration's nor the evaluation's
-        ids = self_text.tokens(spec, need, "calibration", dtype, torch.device("cpu"), report,
-                               load=lambda: loaded, seed=seed + 1)
+        # one stream of at least SELF_TOKENS, cached whatever `tokens` asks, its end scored as the files' are
+        ids = self_text.tokens(spec, max(need, SELF_TOKENS), "calibration", dtype, torch.device("cpu"), report,
+                               load=lambda: loaded, seed=seed + 1, batch_size=8)[-need:]
     else:
         path = data.resolve(name, "calibration", "search.domains")
         text = data.read_text(path, "text", "search.domains", data.chat_renderer(loaded.tokenizer, None))
@@ -70,7 +72,7 @@ def _domain_ids(name: str, cfg: Search, loaded: Loaded, spec: str, dtype: str, s
             raise QuantkitError(f"search.domains: {name} has {ids.numel()} tokens, the search scores {need} "
                                 "(lower search.tokens)")
         ids = ids[-need:]  # the split's end: calibration windows are drawn at random, mostly elsewhere
-    return ids[:need].view(windows, cfg.seq_len)
+    return ids.view(windows, cfg.seq_len)
 
 
 @torch.no_grad()
