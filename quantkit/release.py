@@ -164,14 +164,17 @@ class Release:
 
     def _check_vllm_serves(self, field: str) -> None:
         """vLLM's environment exists, and its build has kernels for the recipe's scheme on this machine."""
-        from .engines.vllm import NO_FP4, NO_WNA16, VllmEngine, interpreter
+        from .engines.vllm import NO_FP4, NO_W8A16, NO_WNA16, VllmEngine, interpreter
 
         python = interpreter(None, f"{field}: vllm")
         args = self.recipe.stage.weights  # awq alone: its grid, as a WeightQuant
         if args.type == "fp4":
             raise QuantkitError(f"{field}: vllm: {NO_FP4}")
         if args.type == "int" and args.activations is None:
+            eight = 8 in {args.bits, *(o.bits for o in self.recipe.overrides)}
             with VllmEngine(python) as engine:
+                if eight and engine.kernels()["device"] == "cpu":
+                    raise QuantkitError(f"{field}: vllm: {NO_W8A16}")
                 if not engine.has_wna16():
                     raise QuantkitError(f"{field}: vllm: {NO_WNA16}")
         static = args.activations is not None and not args.activations.dynamic

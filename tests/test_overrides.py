@@ -44,7 +44,8 @@ def unpack_by_hand(words: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack([(w >> (bits * k)) & ((1 << bits) - 1) for k in range(per)], dim=-1).reshape(w.shape[0], -1)
 
 
-@pytest.mark.parametrize("stage", ["rtn: {bits: 4, group_size: 32}", "gptq: {bits: 4, group_size: 32}"])
+@pytest.mark.parametrize("stage", ["rtn: {bits: 4, group_size: 32}", "gptq: {bits: 4, group_size: 32}",
+                                   "awq: {bits: 4, group_size: 32, zero_point: false}"])
 def test_mixed_artifact(stage, tiny_llama, tmp_path):
     """Each Linear is stored on its own grid, in a config group of its own grid that names it (no 'Linear' class
     target); quantkit's runtime computes the logits of the weights dequantized by hand from the stored tensors, and
@@ -65,9 +66,13 @@ def test_mixed_artifact(stage, tiny_llama, tmp_path):
     assert qcfg["ignore"] == ["lm_head"] + [f"model.layers.1.self_attn.{p}_proj" for p in "kqv"]
     stored = load_file(str(art / "model.safetensors"))
     assert not any(k.startswith("model.layers.1.self_attn.q_proj.weight_") for k in stored)
-    assert stored["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float32  # left float
+    original = load_file(str(tiny_llama / "model.safetensors"))
+    for p in "qkv":  # left float, untouched (AWQ neither scales nor clips them: their mapping has nothing to round)
+        name = f"model.layers.1.self_attn.{p}_proj.weight"
+        assert torch.equal(stored[name], original[name])
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    model.load_state_dict({k: t for k, t in stored.items() if t.is_floating_point()}, strict=False)  # AWQ's norms
     quantized = 0
     for name, m in model.named_modules():
         if f"{name}.weight_packed" not in stored:
@@ -157,3 +162,56 @@ def test_bad_override_recipes_are_one_line(stage, overrides, formats, line, tiny
     assert run_cli(monkeypatch, "quantize", path, "--quiet") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {path}: {line}"
     assert not (tmp_path / "out").exists()
+
+
+def test_readers_of_one_input_on_two_grids_are_each_solved_on_their_own(one_thread):
+    """GPTQ's readers of one input (q/k/v; a MoE layer's experts and its shared expert) on different grids: a
+    factorization per grid from the one Hessian, each Linear's result bit for bit the one GPTQ gives it alone."""
+    from torch import nn
+
+    from quantkit.algorithms.gptq import GPTQ, Hessian
+    from quantkit.algorithms.grid import GridSpec
+    from quantkit.export.base import QuantInfo
+    from quantkit.methods.gptq import GPTQ as GPTQArgs
+    from quantkit.quantize.distributed import Ranks
+    from quantkit.quantize.gptq import _solve_group, _solvers
+    from quantkit.quantize.targets import QuantResult
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 64)
+    linears = {"a": nn.Linear(64, 48, bias=False), "b": nn.Linear(64, 16, bias=False)}
+    w4, w8 = GridSpec(4, 32, True), GridSpec(8, -1, True)
+    result = QuantResult({}, QuantInfo(method="gptq", spec=w4, overrides={"b": w8}))
+    args = GPTQArgs(bits=4, group_size=32, act_order=True)
+
+    def hessian() -> Hessian:
+        h = Hessian(64)
+        h.add(x)
+        return h
+
+    alone = {n: GPTQ(hessian(), spec, args.damp, args.block_size, True).quantize(linears[n].weight.data.clone())[0]
+             for n, spec in (("a", w4), ("b", w8))}
+    h = hessian()
+    _solve_group(["a", "b"], lambda: _solvers(h, args, ["a", "b"], result, Reporter(quiet=True), "a"), linears,
+                 h.count, result, Ranks(), release=False)
+    for n in linears:
+        assert result.qweights[n].spec == alone[n].spec
+        assert torch.equal(result.qweights[n].codes, alone[n].codes), n
+        assert torch.equal(result.qweights[n].scale, alone[n].scale), n
+
+
+def test_verify_reads_each_module_with_its_own_group(tiny_llama, tmp_path):
+    """A config that puts block 0's 8-bit down_proj in the 4-bit group (its group dropped) is caught by the layout
+    check, naming that module: verify reads each module's bits and group size from the group that targets it."""
+    run_quantize(load_recipe(recipe(tmp_path, tiny_llama, "rtn: {bits: 4, group_size: 32}", MIXED)),
+                 overwrite=False, report=Reporter(quiet=True))
+    art = tmp_path / "out" / "compressed-tensors"
+    layout = next(c for c in verify(art).checks if c.name == "layout")
+    assert layout.ok and layout.detail.startswith("11 quantized modules")
+    config = json.loads((art / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    groups["group_0"]["targets"] += groups.pop("group_1")["targets"]
+    (art / "config.json").write_text(json.dumps(config))
+    layout = next(c for c in verify(art).checks if c.name == "layout")
+    assert not layout.ok
+    assert layout.detail.startswith("model.layers.0.mlp.down_proj.weight_packed: int32 [64, 32]"), layout.detail

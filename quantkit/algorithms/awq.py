@@ -47,8 +47,14 @@ def activation_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def weight_mean(weights: list[torch.Tensor], spec: GridSpec) -> torch.Tensor:
-    """AutoAWQ's w_mean: |W| of the concatenated linears divided by each group's max, averaged over rows."""
+def weight_mean(weights: list[torch.Tensor], spec: GridSpec | list[GridSpec]) -> torch.Tensor:
+    """AutoAWQ's w_mean: |W| of the concatenated linears divided by each group's max, averaged over rows. spec: the
+    grid of every weight, or of each (mixed precision: each weight's groups are its own grid's)."""
+    specs = spec if isinstance(spec, list) else [spec] * len(weights)
+    if len(set(specs)) > 1:
+        rows = sum(w.shape[0] for w in weights)
+        return sum(weight_mean([w], s) * (w.shape[0] / rows) for w, s in zip(weights, specs))
+    spec = specs[0]
     w = torch.cat([w.float() for w in weights])
     span = spec.span(w.shape[1])
     groups = w.reshape(-1, span).abs()
@@ -90,17 +96,19 @@ def fake_quantize(weight: torch.Tensor, s: torch.Tensor, spec: GridSpec) -> torc
 def search_scale(
     x_mean: torch.Tensor,
     weights: list[torch.Tensor],
-    spec: GridSpec,
+    spec: GridSpec | list[GridSpec],
     loss: Loss,
     n_grid: int = 20,
     duo_scaling: bool = True,
 ) -> ScaleSearch:
     """Grid search over α = i/n_grid, i < n_grid (AutoAWQ `_compute_best_scale`): each candidate s
     quantizes every W·s, divides back by s and is scored by `loss` (see `linear_loss`, `module_loss`).
-    weights: the linears that read the same input (q/k/v, gate/up, or one linear), unfolded."""
+    weights: the linears that read the same input (q/k/v, gate/up, or one linear), unfolded; spec: their grid, or
+    each one's (mixed precision)."""
     ws = [w.float() for w in weights]
     x_mean = x_mean.float().flatten().to(ws[0].device)
     w_mean = weight_mean(ws, spec) if duo_scaling else None
+    specs = spec if isinstance(spec, list) else [spec] * len(ws)
     w_all = torch.cat(ws)  # rows quantize independently: one call for q/k/v (or gate/up) per candidate
     rows = [w.shape[0] for w in ws]
     losses: list[float] = []
@@ -108,7 +116,10 @@ def search_scale(
     for i in range(n_grid):
         ratio = i / n_grid
         s = candidate_scale(x_mean, w_mean, ratio)
-        value = loss(list(fake_quantize(w_all, s, spec).split(rows)))
+        if len(set(specs)) == 1:
+            value = loss(list(fake_quantize(w_all, s, specs[0]).split(rows)))
+        else:  # each weight on its own grid
+            value = loss([fake_quantize(w, s, g) for w, g in zip(ws, specs)])
         losses.append(value)
         if math.isfinite(value) and (best is None or value < best[0]):
             best = (value, s, ratio)

@@ -69,6 +69,12 @@ def serving_dtype(config: dict) -> str:
 NO_WNA16 = ("vLLM's CPU build has no kernel for weight-only integer formats (gptq, awq, compressed-tensors W4A16) "
             "on this CPU: cpu_gemm_wna16 is only in its AVX-512 extensions, and this CPU has AVX2")
 
+# vLLM 0.32's CPU weight-only kernels (CPUWNA16, zentorch) take uint4 / uint4b8 only: an 8-bit weight-only Linear
+# fails its kernel choice ("Failed to find a kernel that can implement the WNA16 linear layer ... uint8b128"), measured
+# on this AVX2 EPYC for W8A16 and for a mixed W4 / W8 compressed-tensors artifact; the code refuses it on any CPU
+NO_W8A16 = ("vLLM's CPU build has no kernel for 8-bit weight-only integer weights (W8A16, or the 8-bit groups of a "
+            "mixed-precision artifact): its CPU weight-only kernels take 4-bit weights only")
+
 # An FP8 KV cache (compressed-tensors kv_cache_scheme) is served with kv_cache_dtype fp8, which the x86 CPU build
 # runs only with AVX-512; on AVX2 vLLM would keep a 16-bit cache (or stop), and measure something else than the artifact
 NO_FP8_KV = ("the artifact has an FP8 KV cache (kv_cache_scheme), and vLLM's CPU build runs an fp8 KV cache only "
@@ -143,6 +149,16 @@ def weight_only_int(config: dict) -> bool:
     return fmt is not None and fmt.weight_only_int(qc)
 
 
+def weight_only_bits(config: dict) -> set[int]:
+    """The widths of config.json's weight-only integer weights: each compressed-tensors group's, or gptq / awq's."""
+    qc = config.get("quantization_config") or {}
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    if groups:
+        return {int((g.get("weights") or {}).get("num_bits") or 0) for g in groups
+                if (g.get("weights") or {}).get("type") == "int" and not g.get("input_activations")}
+    return {int(qc.get("bits") or 4)} if weight_only_int(config) else set()
+
+
 class VllmEngine:
     """A vLLM worker that serves one model at a time: `with VllmEngine(python) as engine: engine.load(...)`. One
     worker serves several models in turn; vLLM's import is most of a start (~10 s against ~3 s per tiny model)."""
@@ -177,6 +193,8 @@ class VllmEngine:
         config = json.loads(path.read_text()) if path.is_file() else {}
         if fp4_weights(config):
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_FP4}")
+        if 8 in weight_only_bits(config) and self.kernels()["device"] == "cpu":
+            raise QuantkitError(f"vllm: cannot serve {model}: {NO_W8A16}")
         if weight_only_int(config) and not self.has_wna16():
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_WNA16}")
         refused = self.fp8_refusal(fp8_layout(config))

@@ -32,6 +32,7 @@ class QuantInfo:
     # Linear name -> its grid where it differs from spec (the recipe's overrides; empty for a uniform recipe)
     overrides: dict[str, GridSpec] = field(default_factory=dict)
     linears: list[str] = field(default_factory=list)  # the quantized Linears' full names, in model order
+    floated: list[str] = field(default_factory=list)  # Linears the overrides leave float (in unquantized_linears)
 
     def spec_for(self, name: str) -> GridSpec | Fp4Spec:
         """The grid Linear `name` is rounded to."""

@@ -14,6 +14,7 @@ from ..algorithms.gptq import Hessian
 from ..algorithms.grid import GridSpec
 from ..algorithms.smoothing import Mapping, fold
 from ..errors import QuantkitError
+from ..export.base import QuantInfo
 from ..families import moe
 from ..families.mappings import find_mappings
 from ..methods.awq import AWQ, MODULE_LOSS_TOKENS  # AWQ memory bounds: see there
@@ -58,22 +59,30 @@ class AwqPass:
     name = "awq"
     config = AWQ
     counters = ("ratios", "clipped")  # what summary() reports: its resume state
+    takes_plan = True  # built with the weight stage's plan (transforms.build's info)
 
     def __init__(self, args: AWQ, path: str, prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
-                 windows: int = 0):
-        """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have."""
+                 windows: int = 0, info: QuantInfo | None = None):
+        """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have;
+        info: the weight stage's plan: the scales and clips are searched on each Linear's grid (a recipe's
+        overrides), and a Linear left float is neither searched for nor clipped."""
         self.args, self.path, self.ranks = args, path, ranks
         self.mine = ranks.windows(windows)  # this process's windows, by their index among all
         self.current = self.mine  # those of the batch the block is running on (hidden.HiddenStates)
         self.called: set = set()  # what ran in this batch's forward
         self.total = windows
         self.spec = GridSpec(args.bits, args.group_size, args.sym)
+        self.grids: dict[str, GridSpec] = {}  # full name -> a Linear's grid where it is not self.spec
+        floated = set() if info is None else set(info.floated)
         self.targets: list[dict[str, nn.Linear]] = []  # per block: short name -> Linear that gets quantized
         for i, block in enumerate(blocks):
             where = f"{prefix}.{i}"
-            targets = {n: m for n, m in block_linears(block).items() if not matches(f"{where}.{n}", args.ignore)}
+            targets = {n: m for n, m in block_linears(block).items()
+                       if not matches(f"{where}.{n}", args.ignore) and f"{where}.{n}" not in floated}
             for n, m in targets.items():
-                if self.spec.group_size != -1 and m.in_features % self.spec.group_size:
+                if info is not None and f"{where}.{n}" in info.overrides:
+                    self.grids[f"{where}.{n}"] = info.overrides[f"{where}.{n}"]  # the plan checked its groups
+                elif self.spec.group_size != -1 and m.in_features % self.spec.group_size:
                     raise QuantkitError(f"{path}.group_size: {args.group_size} does not divide in_features "
                                         f"{m.in_features} of {where}.{n}")
             self.targets.append(targets)
@@ -94,6 +103,9 @@ class AwqPass:
     def batch(self, rows: slice) -> None:
         """The next forward runs on this process's windows `rows` (several batches: calibration.batch_size)."""
         self.current, self.called = self.mine[rows], set()
+
+    def _grid(self, i: int, name: str) -> GridSpec:
+        return self.grids.get(f"{self.block_names[i]}.{name}", self.spec)
 
     def _quantized(self, i: int, m: Mapping) -> tuple[list[nn.Linear], list[str]]:
         kept = [(lin, n) for lin, n in zip(m.linears, m.names) if n in self.targets[i]]
@@ -213,8 +225,9 @@ class AwqPass:
             if st is None:
                 warnings.append(f"{where} -> {','.join(m.names)} was not reached by calibration data; left unscaled")
                 continue
-            linears, _ = self._quantized(i, m)
+            linears, names = self._quantized(i, m)
             weights = [lin.weight.detach() for lin in linears]
+            grids = [self._grid(i, n) for n in names]
             if "gram" in st:
                 loss = awq.linear_loss(st["gram"], weights)
             else:
@@ -222,7 +235,8 @@ class AwqPass:
                 run = (lambda f=m.inspect, c=calls: _replay(f, c)) if calls else None
                 loss = awq.module_loss(run, linears, self.ranks.all_reduce)
             try:
-                res = awq.search_scale(st["mean"], weights, self.spec, loss, self.args.grid, self.args.duo_scaling)
+                res = awq.search_scale(st["mean"], weights, grids if self.grids else self.spec, loss, self.args.grid,
+                                       self.args.duo_scaling)
             except awq.NoFiniteLoss:
                 raise QuantkitError(f"{self.path}: no finite AWQ loss for {where} (activation overflow?); "
                                     "use dtype: float32") from None
@@ -245,7 +259,7 @@ class AwqPass:
             with torch.no_grad():
                 for name, lin in todo.items():  # each on its owner; the clipped weight to every process
                     mine = None if owner[name] != self.ranks.rank else \
-                        awq.search_clip(lin.weight.detach(), inputs[name], self.spec,
+                        awq.search_clip(lin.weight.detach(), inputs[name], self._grid(i, name),
                                         n_tokens=self.args.clip_tokens)
                     lin.weight.copy_(self.ranks.broadcast(mine, owner[name]))
                     self.clipped += 1

@@ -148,7 +148,7 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
     weight_files (None: looked up from recipe.model)."""
     cfg = model.config
     method, weight_stage = recipe.stage.method, recipe.stage.weights
-    bits = weight_stage.bits
+    bits = max([weight_stage.bits] + [o.bits for o in recipe.overrides if o.bits])  # overrides: the widest grid
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     block_bytes = max(_nbytes(b.parameters()) for b in blocks)
     outer = [m for m in model.modules() if any(id(p) not in in_blocks for p in m.parameters(recurse=False))]
@@ -225,6 +225,9 @@ def plan(model: nn.Module, blocks: nn.ModuleList, targets: dict[str, nn.Linear],
         # storage (gptq.py)
         if any(s.method.gram for s in recipe.stages):
             solver = Hessian.nbytes(widest_in)
+        grids = 1 + sum(not o.unquantized for o in recipe.overrides)
+        if method.solves and grids > 1:  # readers of one input on several grids: a factorization per grid, each
+            solver += grids * widest_in ** 2 * 4  # from a float32 copy of the Hessian (gptq.py _solvers)
     widest = max((m.weight.numel() for m in targets.values()), default=0)
     solver += method.solver_bytes(widest, _elt(model))
     p.advice["activations"] = ("set calibration.batch_size lower, or calibration.offload: auto to pick one"

@@ -71,7 +71,7 @@ def quantize(
     # AWQ as the weight stage: its pass scales and clips each block, then the method rounds on its grid (_round_weights)
     own = [stage] if stage.method.transform else []
     passes = transform_passes.build([*transforms, *own], prefix, decoder_blocks(model)[1], ranks,
-                                    calib.tokens.shape[0] if calib is not None else 0)
+                                    calib.tokens.shape[0] if calib is not None else 0, info)
     if ranks.active and not moe_args.calibrate_all_experts and moe.experts_of(model):
         raise QuantkitError("moe.calibrate_all_experts: false routes different tokens to each process's experts; "
                             "calibration over several processes needs true")

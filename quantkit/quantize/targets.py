@@ -103,6 +103,7 @@ def plan(
         act_observer="minmax" if act is None else act.observer,
         overrides=specs,
         linears=list(targets),
+        floated=sorted(left_float),
     )
     return prefix, targets, info
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..algorithms.smoothing import Mapping
 from ..errors import QuantkitError
+from ..export.base import QuantInfo
 from ..recipe import Stage
 from .distributed import Ranks
 
@@ -61,9 +62,11 @@ def transform_pass(cls: type) -> type:
 
 
 def build(stages: list[Stage], prefix: str, blocks: nn.ModuleList, ranks: Ranks = Ranks(),
-          windows: int = 0) -> list:
-    """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have."""
-    return [PASSES[type(s.args)](s.args, f"stages.{i}.{s.name}", prefix, blocks, ranks, windows)
+          windows: int = 0, info: QuantInfo | None = None) -> list:
+    """ranks: the processes sharing the calibration; windows: how many calibration windows all of them have;
+    info: the weight stage's plan, for a pass that searches on its grids (AWQ, `takes_plan`)."""
+    return [PASSES[type(s.args)](s.args, f"stages.{i}.{s.name}", prefix, blocks, ranks, windows,
+                                 **({"info": info} if getattr(PASSES[type(s.args)], "takes_plan", False) else {}))
             for i, s in enumerate(stages)]
 
 
