@@ -49,7 +49,7 @@ class Search(Strict):
     budget: Budget
     # the domains scored (bundled names, self, suite, or text files): the worst one's KLD is the objective
     domains: list[str] = Field(["suite"], min_length=1)
-    tokens: int = Field(256, ge=16)  # scored tokens per domain (from its calibration split; self: fresh text)
+    tokens: int = Field(128, ge=16)  # scored tokens per domain (from its calibration split; self: fresh text)
     seq_len: int = Field(128, ge=8)
     # the first this many of the recipe's calibration windows give the sensitivity pass its Hessians (None: all);
     # the chosen mix is then quantized on all of them

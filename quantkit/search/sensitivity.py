@@ -46,13 +46,14 @@ class Sample:
     domains: list[str]
     ids: torch.Tensor  # [W, L]
     domain: torch.Tensor  # [W] index into domains
-    base_logp: torch.Tensor  # [W, L - 1, V]
+    base_p: torch.Tensor  # [W, L - 1, V] the original's next-token probabilities
+    neg_entropy: torch.Tensor  # [W, L - 1]: Σ p ln p
     hidden: list[torch.Tensor]  # per block: its input [W, L, H]
 
     def kld(self, logits: torch.Tensor) -> list[float]:
-        """Mean KL(original ‖ model) per token, per domain."""
+        """Mean KL(original ‖ model) = Σ p ln p − Σ p ln q per token, per domain."""
         logq = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        per = (self.base_logp.exp() * (self.base_logp - logq)).sum(-1).mean(-1)  # [W]
+        per = (self.neg_entropy - (self.base_p * logq).sum(-1)).mean(-1)  # [W]
         return [float(per[self.domain == d].mean()) for d in range(len(self.domains))]
 
 
@@ -90,7 +91,9 @@ def score_sample(cfg: Search, loaded: Loaded, blocks: nn.ModuleList, spec: str, 
     finally:
         for h in hooks:
             h.remove()
-    return Sample(names, ids, domain, torch.log_softmax(logits[:, :-1].float(), dim=-1), hidden)
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    p = logp.exp()
+    return Sample(names, ids, domain, p, (p * logp).sum(-1), hidden)
 
 
 def _hidden_of(args, kwargs) -> torch.Tensor:
