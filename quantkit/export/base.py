@@ -44,14 +44,17 @@ class Encoded:
 
 def scheme_of(spec: GridSpec | Fp4Spec, activations: str | None, block: tuple[int, int] | None = None,
               act_strategy: str = "token", act_group: int | None = None) -> Scheme:
-    """The Scheme of a recipe's weight stage: its int grid, FP8 weights with FP8 activations (W8A8 fp8), or an FP4
-    preset's grid."""
+    """The Scheme of a recipe's weight stage: its int grid, FP8 weights with FP8 activations (W8A8 fp8), int4 weights
+    with FP8 activations (W4AFP8), or an FP4 preset's grid."""
     if isinstance(spec, Fp4Spec):
         return spec.scheme
     if activations is None:
         return Scheme("int", spec.bits, spec.group_size, spec.sym)
-    kind = "float" if activations == "fp8" else "int"
-    act = ActivationScheme(kind, dynamic=act_strategy != "tensor", strategy=act_strategy, group_size=act_group)
+    act_kind = "float" if activations == "fp8" else "int"
+    act = ActivationScheme(act_kind, dynamic=act_strategy != "tensor", strategy=act_strategy, group_size=act_group)
+    if spec.bits == 4:  # W4AFP8: the int4 grid, FP8 inputs
+        return Scheme("int", 4, spec.group_size, spec.sym, activations=act)
+    kind = act_kind
     return Scheme(kind, spec.bits, spec.group_size, spec.sym, torch.float32 if kind == "float" else torch.float16,
                   block=block, activations=act)
 

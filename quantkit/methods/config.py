@@ -152,6 +152,9 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
                 raise error("{path}.{key}: FP8 weights only (type: float)", path=path, key=key)
     if act is None:
         return
+    if args.type == "int" and act.type == "float":  # W4AFP8
+        _check_w4afp8(args, path)
+        return
     for key, want, why in (("bits", 8, "8-bit weights"), ("group_size", -1, "one scale per output channel"),
                            ("sym", True, "symmetric weights, the only ones vLLM runs")):
         if getattr(args, key) != want:
@@ -173,3 +176,22 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
         raise error("{path}.activations.strategy: FP8 block weights take inputs per group of columns (strategy: group) "
                     "and only they do; got strategy: {s} {w}", path=path, s=act.strategy,
                     w="with block" if args.block is not None else "without block")
+
+
+def _check_w4afp8(args: WeightQuant, path: str) -> None:
+    """int4 weights with FP8 inputs per token at run time (W4AFP8): the weights a W4A16 grid, symmetric, as
+    compressed-tensors' preset and vLLM's W4A8-FP8 kernel take them."""
+    act = args.activations
+    for key, want, why in (("bits", 4, "4-bit weights"), ("sym", True, "symmetric weights")):
+        if getattr(args, key) != want:
+            raise error("{path}.{key}: W4AFP8 (int weights, FP8 activations) needs {why}: {key}: {want}",
+                        path=path, key=key, want=str(want).lower(), why=why)
+    if act.strategy != "token" or not act.dynamic:
+        raise error("{path}.activations.strategy: W4AFP8 quantizes its inputs per token at run time (strategy: "
+                    "token, dynamic: true), got strategy: {s}", path=path, s=act.strategy)
+
+
+def activation_label(args: WeightQuant) -> str:
+    """How messages name a weight stage with quantized inputs."""
+    return "W4AFP8 (FP8 activations)" if args.type == "int" and args.activations.type == "float" else \
+        "W8A8 (activations)"

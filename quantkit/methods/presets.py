@@ -26,6 +26,8 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "FP8": _FP8 | {"per_tensor": True, "activations": {"type": "float", "dynamic": False, "strategy": "tensor"}},
     # FP8 weights one scale per [128, 128] block, FP8 inputs per group of 128 columns at run time (DeepSeek-V3's)
     "FP8_BLOCK": _FP8 | {"block": [128, 128], "activations": {"type": "float", "strategy": "group", "group_size": 128}},
+    # int4 weights per group of 128 columns, FP8 inputs per token at run time
+    "W4AFP8": {"bits": 4, "group_size": 128, "sym": True, "activations": {"type": "float"}},
     # e2m1 values, float8_e4m3 scales per 16 columns over a float32 global scale; weight-only
     "NVFP4A16": {"type": "fp4", "bits": 4, "group_size": 16, "sym": True},
     # e2m1 values, power-of-two (e8m0) scales per 32 columns; weight-only
