@@ -19,6 +19,7 @@ symmetric, static, strategy tensor | attn_head) in the quantization_config, as l
   (llm-compressor keeps them in the model's dtype; vLLM reads them into float32 either way, and float32 keeps
   amax / 448 exact.)
 `nvfp4-pack-quantized` / `mxfp4-pack-quantized` (NVFP4A16 / MXFP4A16): export/ct_fp4.py.
+`mxfp8-quantized` (MXFP8A16 / MXFP8): export/ct_mxfp8.py.
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
 
@@ -30,7 +31,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from ..algorithms.grid import INT8_CHANNEL
 from ..errors import QuantkitError
 from ..algorithms.scheme import QuantizedTensor
-from . import ct_fp4, packing
+from . import ct_fp4, ct_mxfp8, packing
 from .base import (Encoded, Fp8BlockWeight, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight,
                    trivial_g_idx)
 from .layout import FLOATS, I32, I64, Layout, Part, packed
@@ -39,6 +40,7 @@ from .registry import Format, register
 PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
 MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
 MARKERS |= {fmt: "weight_packed" for fmt in ct_fp4.PRESET}  # FP4: export/ct_fp4.py
+MARKERS[ct_mxfp8.FORMAT] = "weight_scale"  # MXFP8: export/ct_mxfp8.py
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
 # the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
@@ -164,6 +166,8 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedTensor:
         return decode_float_module(t, block_of(qcfg))
     if fmt in ct_fp4.PRESET:
         return ct_fp4.decode_module(t, fmt)
+    if fmt == ct_mxfp8.FORMAT:
+        return ct_mxfp8.decode_module(t)
     # quantkit (and llm-compressor's W4A16 presets) write a single config group targeting Linear
     w = next(iter(qcfg["config_groups"].values()))["weights"]
     bits, sym = int(w["num_bits"]), bool(w["symmetric"])
@@ -239,6 +243,9 @@ def _config(scheme: QuantizationScheme, info: QuantInfo, fmt: str) -> dict:
 
 
 def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
+    if info.scheme.kind == "mxfp8":
+        tensors, scheme = ct_mxfp8.encode(qweights, info)
+        return Encoded(tensors, _config(scheme, info, scheme.format))
     if info.activations is not None:
         return encode_w8a8(qweights, info, scale_dtype)
     if info.scheme.kind == "fp4":
@@ -286,7 +293,7 @@ def _block_scale(block: tuple[int, int]) -> Part:
 class CompressedTensors(Format):
     name = "compressed-tensors"
     bits = (4, 8)
-    kinds = ("int", "float", "fp4")
+    kinds = ("int", "float", "fp4", "mxfp8")
     weight_only = False
     kv_cache = True
     loaders = [
@@ -312,6 +319,8 @@ class CompressedTensors(Format):
             return Layout(kind, PARTS[kind] | {"weight_scale": _block_scale(block)}, 8, -1)
         if kind in ct_fp4.PRESET:
             return Layout(kind, ct_fp4.parts(kind), 4, ct_fp4.SPECS[ct_fp4.PRESET[kind]].group_size)
+        if kind == ct_mxfp8.FORMAT:
+            return Layout(kind, ct_mxfp8.PARTS, 8, 32)
         if kind == INT and int_grid(qcfg).bits == 4:  # W4AFP8
             spec = int_grid(qcfg)
             return Layout(kind, PARTS[kind] | {"weight_scale": Part(FLOATS, lambda d: [[d.out, d.groups]])}, 4,
@@ -325,6 +334,9 @@ class CompressedTensors(Format):
         fmt = format_of(qcfg)
         if fmt == INT and int_grid(qcfg).bits == 4:
             return "fp8"  # W4AFP8
+        if fmt == ct_mxfp8.FORMAT:  # MXFP8 with its inputs quantized, or MXFP8A16
+            groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
+            return "mxfp8" if groups and groups[0].get("input_activations") else None
         return {v: k for k, v in W8A8_FORMATS.items()}.get(fmt)
 
     def input_group(self, qcfg: dict) -> int | None:

@@ -50,8 +50,9 @@ def plan(
     if not targets:
         raise QuantkitError(f"{path}.ignore: every Linear layer is ignored; nothing to quantize")
     for name, m in targets.items():
-        if args.type == "fp4" and m.in_features % args.group_size:
-            raise QuantkitError(f"{path}.scheme: {spec.preset} needs in_features a multiple of {args.group_size} "
+        if args.type in ("fp4", "mxfp8") and m.in_features % args.group_size:
+            preset = spec.preset if args.type == "fp4" else args.scheme or "MXFP8"
+            raise QuantkitError(f"{path}.scheme: {preset} needs in_features a multiple of {args.group_size} "
                                 f"(its group size); {name} has {m.in_features}")
         if args.group_size != -1 and m.in_features % args.group_size:
             divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
