@@ -197,11 +197,12 @@ def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dty
     if fmt is None:
         raise QuantkitError(f"activations: '{info.activations}' is not one of {', '.join(W8A8_FORMATS)}")
     want = info.spec if w4 else INT8_CHANNEL
+    wanted = f"W4AFP8's {info.spec}" if w4 else "8-bit symmetric per-channel"
     tensors = {}
     for name, qw in qweights.items():
         if fmt == INT and getattr(qw, "spec", None) != want:
             got = getattr(qw, "spec", type(qw).__name__)
-            raise QuantkitError(f"{name}: int-quantized needs {want} int weights, got {got}")
+            raise QuantkitError(f"{name}: int-quantized needs {wanted} int weights, got {got}")
         if fmt == FLOAT and qw.scheme.kind != "float":
             raise QuantkitError(f"{name}: float-quantized needs FP8 weights, got {type(qw).__name__}")
         parts = encode_int_module(qw, scale_dtype) if fmt == INT else encode_float_module(qw)

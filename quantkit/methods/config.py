@@ -172,7 +172,7 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
                 raise error("{path}.{key}: FP8 weights only (type: float)", path=path, key=key)
     if act is None or args.type == "mxfp8":  # MXFP8's inputs: WeightQuant._mxfp8
         return
-    if args.type == "int" and act.type == "float":  # W4AFP8
+    if args.type == "int" and act.type == "float" and args.bits != 8:  # W4AFP8 (int8 weights: W8A8's rules)
         _check_w4afp8(args, path)
         return
     for key, want, why in (("bits", 8, "8-bit weights"), ("group_size", -1, "one scale per output channel"),
@@ -215,5 +215,5 @@ def activation_label(args: WeightQuant) -> str:
     """How messages name a weight stage with quantized inputs."""
     if args.type == "mxfp8":
         return "MXFP8 (MX activations)"
-    return "W4AFP8 (FP8 activations)" if args.type == "int" and args.activations.type == "float" else \
-        "W8A8 (activations)"
+    w4afp8 = args.type == "int" and args.activations.type == "float" and args.bits != 8
+    return "W4AFP8 (FP8 activations)" if w4afp8 else "W8A8 (activations)"
