@@ -182,3 +182,15 @@ def test_a_width_the_groups_do_not_divide_is_one_line(tmp_path, monkeypatch, cap
         "error: stages.0.rtn.scheme: MXFP8 needs in_features a multiple of 32 (its group size); "
         "model.layers.0.self_attn.q_proj has 48")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_resume_checkpoint_keeps_mxfp8_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.quantize.resume import _pack_weights, _unpack_weights
+
+    qw = mxfp8_rtn(weight())
+    tensors, specs = _pack_weights({"a.q_proj": qw})
+    save_file(tensors, str(tmp_path / "block.safetensors"))
+    back = _unpack_weights(load_file(str(tmp_path / "block.safetensors")), json.loads(json.dumps(specs)))["a.q_proj"]
+    assert isinstance(back, Mxfp8Weight) and torch.equal(back.dequantize(), qw.dequantize())

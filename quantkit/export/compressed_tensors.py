@@ -135,7 +135,7 @@ def int_grid(qcfg: dict) -> GridSpec:
         return INT8_CHANNEL
     if not w.get("symmetric", True):
         raise QuantkitError("weights.symmetric: int-quantized int4 weights are symmetric (W4AFP8)")
-    return GridSpec(4, int(w["group_size"]) if w.get("strategy") == "group" else -1, True)
+    return GridSpec(4, int(w.get("group_size") or -1) if w.get("strategy") == "group" else -1, True)
 
 
 def block_of(qcfg: dict) -> tuple[int, int] | None:
