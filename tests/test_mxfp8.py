@@ -80,7 +80,7 @@ def test_the_runtime_input_is_compressed_tensors_mx_quantization():
 
 def test_gptq_on_the_mx_grid():
     """With an identity Hessian GPTQ is RTN byte for byte; on correlated inputs (MX-quantized, as the layer reads
-    them) its output error is below 0.7x RTN's (measured 0.5x)."""
+    them) the error its weights add to the output is below 0.6x RTN's (measured 0.51x)."""
     w = 0.05 * torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
     ident, _ = GPTQ(torch.eye(256), MX8).quantize(w)
     rtn = mxfp8_rtn(w)
@@ -93,7 +93,7 @@ def test_gptq_on_the_mx_grid():
     # the error the weights add to the layer's output on the input it reads (the input's own rounding is no
     # weight's to undo: e4m3 rounds inputs and weights alike)
     err = {name: float(((xq @ (q.dequantize() - w).T) ** 2).mean()) for name, q in (("rtn", rtn), ("gptq", gptq))}
-    assert err["gptq"] < 0.7 * err["rtn"], err
+    assert err["gptq"] < 0.6 * err["rtn"], err
 
 
 def quantize(model: Path, out: Path, stage: str, formats=("compressed-tensors",)):
