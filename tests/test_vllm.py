@@ -495,6 +495,22 @@ def test_w4afp8_and_mxfp8_are_refused_on_a_cpu_before_vllm_loads(tiny_factory, t
     assert not (tmp_path / "seen").exists()
 
 
+@pytest.mark.parametrize("name", NO_SCHEME)
+def test_a_release_of_w4afp8_or_mxfp8_in_vllm_stops_before_quantizing(name, tiny_factory, tmp_path, monkeypatch,
+                                                                     capsys):
+    """A release that would measure W4AFP8 / MXFP8 in vLLM's CPU build stops in one line, nothing written."""
+    from conftest import run_cli
+
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(KERNELS_WORKER.format(python=sys.executable, seen=str(tmp_path / "seen"))))
+    fake.chmod(0o755)
+    monkeypatch.setenv("QUANTKIT_VLLM_PYTHON", str(fake))
+    stage, why, _ = NO_SCHEME[name]
+    assert run_cli(monkeypatch, "release", release_recipe(tiny_factory("llama"), tmp_path, stage), "--quiet") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: release.eval.engine: vllm: {why}"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "seen").exists()
+
+
 @needs_vllm
 def test_vllm_itself_refuses_w4afp8_and_mxfp8_on_this_cpu(llama, engine, tmp_path):
     """The refusals above are vLLM's own answer on a CPU: asked to load past them, it fails with its own error."""
