@@ -16,9 +16,7 @@ import torch
 from .fp4 import Fp4Spec, Fp4Weight, codes_of, effective, global_scale_of, group_scales, round_values, store
 from .fp8 import FP8_DTYPE, FP8_MAX, Fp8BlockWeight, fp8_block_quantize
 from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
-from .mxfp8 import Mxfp8Spec, Mxfp8Weight, compress_mx_scale
-from .mxfp8 import group_scales as mx_group_scales
-from .mxfp8 import round_values as mx_round_values
+from .mxfp8 import Mxfp8Grid, Mxfp8Spec
 from .scheme import QuantizedTensor
 
 
@@ -211,7 +209,7 @@ class GPTQ:
         elif isinstance(self.spec, Fp4Spec):
             grid = _Fp4Grid(self.spec, weights, global_scales)
         elif isinstance(self.spec, Mxfp8Spec):
-            grid = _Mxfp8Grid()
+            grid = Mxfp8Grid()
         else:
             grid = _IntGrid(self.spec, self.find_params)
         with _one_thread(self.hinv.device):  # thousands of tiny ops: CPU threads add only sync overhead
@@ -369,24 +367,6 @@ class _Fp4Grid:
 
     def result(self, i: int, codes, scale, zero) -> Fp4Weight:
         return Fp4Weight(codes, store(scale, self.spec), self.spec, self.globals[i])
-
-
-class _Mxfp8Grid:
-    """MXFP8's grid: q holds e4m3 values (zero 0), each group's power-of-two scale from calculate_qparams of its
-    current (error-updated) columns; the codes are the e4m3 bytes."""
-
-    def params(self, group: torch.Tensor):
-        s = mx_group_scales(group)
-        return s, torch.zeros_like(s), s
-
-    def round(self, w, s, z, out):
-        out.copy_(mx_round_values(w, s))
-
-    def codes(self, q: torch.Tensor) -> torch.Tensor:
-        return q.to(FP8_DTYPE).view(torch.uint8)  # exact: q holds e4m3 values
-
-    def result(self, i: int, codes, scale, zero) -> Mxfp8Weight:
-        return Mxfp8Weight(codes.view(FP8_DTYPE), compress_mx_scale(scale, torch.uint8))
 
 
 @contextmanager

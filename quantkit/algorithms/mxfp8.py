@@ -118,3 +118,21 @@ def fake_quantize_mx(x: torch.Tensor) -> torch.Tensor:
     groups = x.float().unflatten(-1, (-1, GROUP))
     s = group_scales(groups, INPUT_ARGS)[..., None]
     return (round_values(groups, s).float() * s).flatten(-2).to(x.dtype)
+
+
+class Mxfp8Grid:
+    """GPTQ's column loop on the MX grid (algorithms/gptq.py): q holds e4m3 values (zero 0), each group's scale from
+    calculate_qparams of its current (error-updated) columns; the codes are the e4m3 bytes."""
+
+    def params(self, group: torch.Tensor):
+        s = group_scales(group)
+        return s, torch.zeros_like(s), s
+
+    def round(self, w, s, z, out):
+        out.copy_(round_values(w, s))
+
+    def codes(self, q: torch.Tensor) -> torch.Tensor:
+        return q.to(FP8_DTYPE).view(torch.uint8)  # exact: q holds e4m3 values
+
+    def result(self, i: int, codes, scale, zero) -> Mxfp8Weight:
+        return Mxfp8Weight(codes.view(FP8_DTYPE), compress_mx_scale(scale, torch.uint8))
