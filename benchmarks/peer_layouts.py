@@ -33,7 +33,7 @@ from tiny_models import PEER_SHAPES, WIKI_VALID, make_tiny_model, tiny_tokenizer
 
 OUT = ROOT / "tests" / "fixtures" / "peer_layouts"
 PRESETS = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W4AFP8", "NVFP4A16",
-           "NVFP4", "MXFP4A16", "MXFP4", "MXFP8"]
+           "NVFP4", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
 # FP8 KV cache on top of W4A16: the kv_cache_scheme of llm-compressor's examples/quantization_kv_cache
 KV_FP8 = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
 CASES = PRESETS + ["W4A16_KV_FP8"]

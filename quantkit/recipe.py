@@ -22,7 +22,7 @@ from .methods import METHODS, Method
 from .methods.awq import AWQ  # noqa: F401  (the stage configs, importable from the recipe as before)
 from .methods.config import Activations, WeightQuant  # noqa: F401
 from .methods.config import Strict as _Strict
-from .methods.config import check_weight_args
+from .methods.config import activation_label, check_weight_args
 from .methods.config import error as _error
 from .methods.gptq import GPTQ  # noqa: F401
 from .methods.rtn import RTN  # noqa: F401
@@ -239,8 +239,8 @@ class Recipe(_Strict):
         if act is not None:
             for fmt in formats.names():
                 if fmt in self.export.formats and formats.get(fmt).weight_only:
-                    raise _error("export.formats: {fmt} stores weight-only quantization; W8A8 (activations) is "
-                                 "written as compressed-tensors only", fmt=fmt)
+                    raise _error("export.formats: {fmt} stores weight-only quantization; {what} is "
+                                 "written as compressed-tensors only", fmt=fmt, what=activation_label(args))
         scheme = scheme_of(args.grid, act and act.kind, args.block)
         for fmt in self.export.formats:
             problem = formats.get(fmt).check_scheme(scheme)

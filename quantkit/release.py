@@ -164,12 +164,17 @@ class Release:
 
     def _check_vllm_serves(self, field: str) -> None:
         """vLLM's environment exists, and its build has kernels for the recipe's scheme on this machine."""
-        from .engines.vllm import NO_FP4, NO_W8A16, NO_WNA16, VllmEngine, interpreter
+        from .engines.vllm import NO_FP4, NO_MXFP8, NO_W4AFP8, NO_W8A16, NO_WNA16, VllmEngine, interpreter
 
         python = interpreter(None, f"{field}: vllm")
         args = self.recipe.stage.weights  # awq alone: its grid, as a WeightQuant
         if args.type == "fp4":
             raise QuantkitError(f"{field}: vllm: {NO_FP4}")
+        w4afp8 = args.type == "int" and args.activations is not None and args.activations.type == "float"
+        if w4afp8 or args.type == "mxfp8":
+            with VllmEngine(python) as engine:
+                if engine.kernels()["device"] == "cpu":
+                    raise QuantkitError(f"{field}: vllm: {NO_W4AFP8 if w4afp8 else NO_MXFP8}")
         if args.type == "int" and args.activations is None:
             eight = 8 in {args.bits, *(o.bits for o in self.recipe.overrides)}
             with VllmEngine(python) as engine:

@@ -62,7 +62,7 @@ def test_every_preset_is_compressed_tensors_own_as_quantkit_writes_it():
                                                               preset.weights.symmetric)
             continue
         act = args.activations
-        info = QuantInfo("rtn", INT8_CHANNEL, activations=act.kind, block=args.block, per_tensor=args.per_tensor,
+        info = QuantInfo("rtn", args.grid, activations=act.kind, block=args.block, per_tensor=args.per_tensor,
                          act_strategy=act.strategy, act_group=act.group_size)
         group = compressed_tensors.encode({}, info, torch.float32).quantization_config["config_groups"]["group_0"]
         for key in ("weights", "input_activations"):

@@ -31,6 +31,9 @@ STAGES = {
     "FP8_BLOCK": ("{scheme: FP8_BLOCK}", ""),
     "NVFP4A16": ("{scheme: NVFP4A16}", ""),
     "MXFP4A16": ("{scheme: MXFP4A16}", ""),
+    "W4AFP8": ("{scheme: W4AFP8}", ""),
+    "MXFP8": ("{scheme: MXFP8}", ""),
+    "MXFP8A16": ("{scheme: MXFP8A16}", ""),
     "W4A16_KV_FP8": ("{bits: 4, group_size: 128, sym: true}", "kv_cache: {bits: 8, type: float, strategy: tensor}\n"),
 }
 # The lead removes an entry when the scheme's branch is merged.

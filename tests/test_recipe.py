@@ -127,7 +127,7 @@ def test_transform_stages_then_one_weight_stage():
      "stages.0.rtn.block.0: Input should be greater than or equal to 1 (got 0)"),
     ([{"rtn": {"scheme": "NVFP5"}}], None,
      "stages.0.rtn.scheme: unknown preset 'NVFP5' (known: W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8, "
-     "FP8_BLOCK, NVFP4A16, MXFP4A16) (got 'NVFP5')"),
+     "FP8_BLOCK, W4AFP8, NVFP4A16, MXFP4A16, MXFP8A16, MXFP8) (got 'NVFP5')"),
     ([{"rtn": {"scheme": "FP8"}}], lambda d: d.pop("calibration"), "calibration: required by the rtn stage"),
     ([{"rtn": dict(W8A8, activations={"type": "float"})}], None,
      "stages.0.rtn.activations.type: float activations need float weights (type: float), got type: int"),

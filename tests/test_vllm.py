@@ -22,8 +22,8 @@ import pytest
 from conftest import write_recipe
 from tiny_models import SERVABLE_EXTRA, make_servable_model
 
-from quantkit.engines.vllm import (INT8_INEXACT, MOE_W4A8, NO_FP4, NO_FP8_BLOCK, NO_FP8_KV, NO_FP8_STATIC, NO_WNA16,
-                                   W4A8, VllmEngine, fp8_kv_cache, fp8_layout, weight_only_int)
+from quantkit.engines.vllm import (INT8_INEXACT, MOE_W4A8, NO_FP4, NO_FP8_BLOCK, NO_FP8_KV, NO_FP8_STATIC, NO_MXFP8,
+                                   NO_W4AFP8, NO_WNA16, W4A8, VllmEngine, fp8_kv_cache, fp8_layout, weight_only_int)
 from quantkit.evaluation.report import markdown as eval_markdown
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.runner import EvalOptions, evaluate
@@ -468,6 +468,60 @@ def test_fp8_block_and_static_are_refused_on_an_avx2_cpu_before_vllm_loads(tiny_
             why = NO_FP8_BLOCK if name == "fp8-block" else NO_FP8_STATIC
             assert str(err.value) == f"vllm: cannot serve {artifact}: {why}"
     assert not (tmp_path / "seen").exists()
+
+
+# W4AFP8 (groups of 32: the tiny model's widths take none of 128) and MXFP8: what vLLM's CPU build answers for each,
+# measured with the refusal bypassed (vLLM 0.32, AVX2 EPYC)
+NO_SCHEME = {"w4afp8": ("rtn: {scheme: W4AFP8, group_size: 32}", NO_W4AFP8,
+                        "No compressed-tensors compatible scheme was found"),
+             "mxfp8": ("rtn: {scheme: MXFP8}", NO_MXFP8, "Failed to find a kernel that can implement the MXFP8 linear"),
+             "mxfp8a16": ("rtn: {scheme: MXFP8A16}", NO_MXFP8,
+                          "Failed to find a kernel that can implement the MXFP8 linear")}
+
+
+def test_w4afp8_and_mxfp8_are_refused_on_a_cpu_before_vllm_loads(tiny_factory, tmp_path):
+    """vLLM's CPU build finds no scheme for W4AFP8 and no kernel for MXFP8 (MXFP8A16 too): the engine refuses each in
+    one line after asking the worker's kernels, and never asks the worker to load."""
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(KERNELS_WORKER.format(python=sys.executable, seen=str(tmp_path / "seen"))))
+    fake.chmod(0o755)
+    model = tiny_factory("llama")
+    with VllmEngine(str(fake)) as engine:
+        for name, (stage, why, _) in NO_SCHEME.items():
+            artifact = quantize(model, tmp_path / name, stage, "compressed-tensors")
+            with pytest.raises(QuantkitError) as err:
+                engine.load(str(artifact), "bfloat16", 128)
+            assert str(err.value) == f"vllm: cannot serve {artifact}: {why}"
+    assert not (tmp_path / "seen").exists()
+
+
+@pytest.mark.parametrize("name", NO_SCHEME)
+def test_a_release_of_w4afp8_or_mxfp8_in_vllm_stops_before_quantizing(name, tiny_factory, tmp_path, monkeypatch,
+                                                                     capsys):
+    """A release that would measure W4AFP8 / MXFP8 in vLLM's CPU build stops in one line, nothing written."""
+    from conftest import run_cli
+
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(KERNELS_WORKER.format(python=sys.executable, seen=str(tmp_path / "seen"))))
+    fake.chmod(0o755)
+    monkeypatch.setenv("QUANTKIT_VLLM_PYTHON", str(fake))
+    stage, why, _ = NO_SCHEME[name]
+    assert run_cli(monkeypatch, "release", release_recipe(tiny_factory("llama"), tmp_path, stage), "--quiet") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: release.eval.engine: vllm: {why}"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "seen").exists()
+
+
+@needs_vllm
+def test_vllm_itself_refuses_w4afp8_and_mxfp8_on_this_cpu(llama, engine, tmp_path):
+    """The refusals above are vLLM's own answer on a CPU: asked to load past them, it fails with its own error."""
+    if engine.kernels()["device"] != "cpu":
+        pytest.skip("vLLM runs on a GPU here")
+    for name, (stage, _, theirs) in NO_SCHEME.items():
+        artifact = quantize(llama, tmp_path / name, stage, "compressed-tensors")
+        with pytest.raises(QuantkitError) as err:
+            engine._call({"op": "load", "model": str(artifact.resolve()), "dtype": "bfloat16", "max_model_len": 128,
+                          "max_logprobs": 20, "max_num_seqs": 4, "kv_cache_dtype": "auto"}, f"vLLM refused {artifact}")
+        assert theirs in str(err.value), name
 
 
 KV8 = "kv_cache: {bits: 8, type: float, strategy: tensor}\n"

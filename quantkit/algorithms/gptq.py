@@ -16,6 +16,7 @@ import torch
 from .fp4 import Fp4Spec, Fp4Weight, codes_of, effective, global_scale_of, group_scales, round_values, store
 from .fp8 import FP8_DTYPE, FP8_MAX, Fp8BlockWeight, fp8_block_quantize
 from .grid import OBSERVERS, SCALE_DTYPE, GridSpec, QuantizedWeight, quantize_codes
+from .mxfp8 import Mxfp8Grid, Mxfp8Spec
 from .scheme import QuantizedTensor
 
 
@@ -207,6 +208,8 @@ class GPTQ:
             grid = None
         elif isinstance(self.spec, Fp4Spec):
             grid = _Fp4Grid(self.spec, weights, global_scales)
+        elif isinstance(self.spec, Mxfp8Spec):
+            grid = Mxfp8Grid()
         else:
             grid = _IntGrid(self.spec, self.find_params)
         with _one_thread(self.hinv.device):  # thousands of tiny ops: CPU threads add only sync overhead

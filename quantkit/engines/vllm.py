@@ -83,6 +83,15 @@ NO_FP8_KV = ("the artifact has an FP8 KV cache (kv_cache_scheme), and vLLM's CPU
 NO_FP4 = ("vLLM's CPU build has no kernel for FP4 weights (NVFP4A16, MXFP4A16): its FP4 schemes run on CUDA GPUs "
           "only; quantkit's runtime runs them (dequantized)")
 
+# vLLM's W4AFP8 scheme (CompressedTensorsW4A8Fp8) is taken on SM90 GPUs only; measured on this AVX2 CPU (vLLM 0.32):
+# "NotImplementedError: No compressed-tensors compatible scheme was found" for the int-quantized int4 + FP8 layer
+NO_W4AFP8 = ("vLLM's CPU build finds no scheme for W4AFP8 (int4 weights, FP8 inputs): its W4A8-FP8 GEMM is a "
+             "Hopper GPU kernel; quantkit's runtime runs it (emulated)")
+
+# vLLM's MXFP8 linear kernels are registered for CUDA and ROCm only (kernels/linear _POSSIBLE_MXFP8_KERNELS)
+NO_MXFP8 = ("vLLM's CPU build has no kernel for MXFP8 weights (MXFP8A16, MXFP8): its MXFP8 GEMMs are GPU kernels; "
+            "quantkit's runtime runs them (emulated)")
+
 # measured: a 64-long dot product of 127s gives 8160 instead of 1 032 256 on an AVX2 EPYC (workers/vllm_serve.py)
 INT8_INEXACT = ("vLLM's int8 GEMM on this CPU (oneDNN without VNNI) sums pairs of int8 products in int16, which "
                 "saturates: these W8A8 measurements are this machine's, worse than on a server with VNNI or a GPU")
@@ -141,6 +150,22 @@ def fp4_weights(config: dict) -> bool:
                and (g.get("weights") or {}).get("num_bits") == 4 for g in groups.values())
 
 
+def w4afp8(config: dict) -> bool:
+    """Whether config.json's quantized Linears hold int4 weights with FP8 inputs (W4AFP8)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups", {})
+    return any(isinstance(g, dict) and (g.get("weights") or {}).get("type") == "int"
+               and (g.get("weights") or {}).get("num_bits") == 4
+               and (g.get("input_activations") or {}).get("type") == "float" for g in groups.values())
+
+
+def mxfp8_weights(config: dict) -> bool:
+    """Whether config.json's quantized Linears hold MXFP8 weights (e4m3, e8m0 scales per 32 columns)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups", {})
+    return any(isinstance(g, dict) and (g.get("weights") or {}).get("type") == "float"
+               and (g.get("weights") or {}).get("num_bits") == 8 and (g.get("weights") or {}).get("group_size") == 32
+               and "uint8" in str((g.get("weights") or {}).get("scale_dtype")) for g in groups.values())
+
+
 def weight_only_int(config: dict) -> bool:
     """Whether vLLM's CPU build runs config.json's quantized Linears with cpu_gemm_wna16: gptq, awq, and
     compressed-tensors groups of integer weights whose inputs stay unquantized."""
@@ -195,6 +220,9 @@ class VllmEngine:
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_FP4}")
         if 8 in weight_only_bits(config) and self.kernels()["device"] == "cpu":
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_W8A16}")
+        for refused, why in ((w4afp8, NO_W4AFP8), (mxfp8_weights, NO_MXFP8)):
+            if refused(config) and self.kernels()["device"] == "cpu":
+                raise QuantkitError(f"vllm: cannot serve {model}: {why}")
         if weight_only_int(config) and not self.has_wna16():
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_WNA16}")
         refused = self.fp8_refusal(fp8_layout(config))

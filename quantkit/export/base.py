@@ -9,6 +9,7 @@ import torch
 from ..algorithms.fp4 import Fp4Spec, Fp4Weight
 from ..algorithms.fp8 import Fp8BlockWeight, Fp8Weight
 from ..algorithms.grid import GridSpec, QuantizedWeight
+from ..algorithms.mxfp8 import Mxfp8Spec, Mxfp8Weight
 from ..algorithms.scheme import ActivationScheme, Scheme
 
 
@@ -17,12 +18,14 @@ class QuantInfo:
     """How the weights were quantized, as the formats' configs need to say it."""
 
     method: str  # the recipe's stages joined by '+': gptq | rtn | smoothquant+gptq | ...
-    spec: GridSpec | Fp4Spec  # the int grid, or the FP4 preset's; unused by FP8 weights
+    spec: GridSpec | Fp4Spec | Mxfp8Spec  # the int grid, the FP4 preset's or MXFP8's; unused by FP8 weights
     act_order: bool = False
     damp: float | None = None
     unquantized_linears: list[str] = field(default_factory=list)  # full names of Linear layers left float
     block_linears_prefix: str = "model.layers"  # where the decoder blocks live
-    activations: str | None = None  # None: weight-only; int8 | fp8: W8A8, activations quantized per token at run time
+    # None: weight-only; int8 | fp8: W8A8 (W4AFP8 with int4 weights), activations quantized per token at run time;
+    # mxfp8: MXFP8's, per token and group of 32 columns
+    activations: str | None = None
     block: tuple[int, int] | None = None  # FP8 weights: one scale per [rows, cols] block
     per_tensor: bool = False  # FP8 weights: one scale per weight
     act_strategy: str = "token"  # token | group (act_group columns per scale), both at run time | tensor (static)
@@ -50,16 +53,21 @@ class Encoded:
     extra_files: dict[str, dict] = field(default_factory=dict)  # file name -> JSON body
 
 
-def scheme_of(spec: GridSpec | Fp4Spec, activations: str | None, block: tuple[int, int] | None = None,
+def scheme_of(spec: GridSpec | Fp4Spec | Mxfp8Spec, activations: str | None, block: tuple[int, int] | None = None,
               act_strategy: str = "token", act_group: int | None = None) -> Scheme:
-    """The Scheme of a recipe's weight stage: its int grid, FP8 weights with FP8 activations (W8A8 fp8), or an FP4
-    preset's grid."""
+    """The Scheme of a recipe's weight stage: its int grid, FP8 weights with FP8 activations (W8A8 fp8), int4 weights
+    with FP8 activations (W4AFP8), an FP4 preset's grid, or MXFP8's (with MX activations or none)."""
     if isinstance(spec, Fp4Spec):
         return spec.scheme
+    if isinstance(spec, Mxfp8Spec):
+        return spec.scheme(activations is not None)
     if activations is None:
         return Scheme("int", spec.bits, spec.group_size, spec.sym)
-    kind = "float" if activations == "fp8" else "int"
-    act = ActivationScheme(kind, dynamic=act_strategy != "tensor", strategy=act_strategy, group_size=act_group)
+    act_kind = "float" if activations == "fp8" else "int"
+    act = ActivationScheme(act_kind, dynamic=act_strategy != "tensor", strategy=act_strategy, group_size=act_group)
+    if spec.bits == 4:  # W4AFP8: the int4 grid, FP8 inputs
+        return Scheme("int", 4, spec.group_size, spec.sym, activations=act)
+    kind = act_kind
     return Scheme(kind, spec.bits, spec.group_size, spec.sym, torch.float32 if kind == "float" else torch.float16,
                   block=block, activations=act)
 
@@ -82,5 +90,5 @@ def trivial_g_idx(g_idx: torch.Tensor | None, span: int) -> torch.Tensor | None:
     return g_idx.long()
 
 
-__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "Fp8BlockWeight", "Fp4Weight", "Fp4Spec", "GridSpec",
-           "Scheme", "scheme_of", "split_by_module", "trivial_g_idx"]
+__all__ = ["QuantInfo", "Encoded", "QuantizedWeight", "Fp8Weight", "Fp8BlockWeight", "Fp4Weight", "Fp4Spec",
+           "Mxfp8Spec", "Mxfp8Weight", "GridSpec", "Scheme", "scheme_of", "split_by_module", "trivial_g_idx"]

@@ -5,10 +5,11 @@
   <m>.weight_scale       [out, groups]            (channel strategy: [out, 1])
   <m>.weight_zero_point  int32 [out*bits/32, groups]  asymmetric only: signed zero + 2^(bits-1), packed along out
   <m>.weight_shape       int64 [2]
-`int-quantized` (W8A8 int8) and `float-quantized` (W8A8 FP8 e4m3), per quantized Linear `<m>`:
-  <m>.weight        int8 (signed code) | float8_e4m3fn  [out, in]
-  <m>.weight_scale  [out, 1]  (FP8: float32; [1] per tensor, the FP8 preset; [out/rows, in/cols] per block, FP8_BLOCK,
-                    the config's weights.block_structure = [rows, cols])
+`int-quantized` (W8A8 int8; W4AFP8) and `float-quantized` (W8A8 FP8 e4m3), per quantized Linear `<m>`:
+  <m>.weight        int8 (signed code) | float8_e4m3fn  [out, in]  (W4AFP8: the int4 value, -8..7, one a byte, as
+                    compressed-tensors' IntQuantizationCompressor writes it: its pack-quantized takes no FP8 inputs)
+  <m>.weight_scale  [out, 1]  (W4AFP8: [out, in/group], the float dtype W4A16's take; FP8: float32; [1] per tensor,
+                    the FP8 preset; [out/rows, in/cols] per block, FP8_BLOCK, the config's weights.block_structure)
   <m>.input_scale   float32 [1]  FP8 static inputs only (the FP8 preset: input_activations dynamic false, tensor)
   Other inputs are quantized at run time (dynamic) per token, or per group of input_activations.group_size columns
   (FP8_BLOCK), so no input scale is stored.
@@ -18,6 +19,7 @@ symmetric, static, strategy tensor | attn_head) in the quantization_config, as l
   (llm-compressor keeps them in the model's dtype; vLLM reads them into float32 either way, and float32 keeps
   amax / 448 exact.)
 `nvfp4-pack-quantized` / `mxfp4-pack-quantized` (NVFP4A16 / MXFP4A16): export/ct_fp4.py.
+`mxfp8-quantized` (MXFP8A16 / MXFP8): export/ct_mxfp8.py.
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
 
@@ -31,7 +33,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from ..algorithms.grid import INT8_CHANNEL
 from ..errors import QuantkitError
 from ..algorithms.scheme import QuantizedTensor
-from . import ct_fp4, packing
+from . import ct_fp4, ct_mxfp8, packing
 from .base import (Encoded, Fp8BlockWeight, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight,
                    trivial_g_idx)
 from .layout import FLOATS, I32, I64, Layout, Part, packed
@@ -40,6 +42,7 @@ from .registry import Format, register
 PACKED, INT, FLOAT = "pack-quantized", "int-quantized", "float-quantized"
 MARKERS = {PACKED: "weight_packed", INT: "weight_scale", FLOAT: "weight_scale"}  # the tensor a quantized module has
 MARKERS |= {fmt: "weight_packed" for fmt in ct_fp4.PRESET}  # FP4: export/ct_fp4.py
+MARKERS[ct_mxfp8.FORMAT] = "weight_scale"  # MXFP8: export/ct_mxfp8.py
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
 # the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
@@ -73,9 +76,10 @@ def marker(qcfg: dict) -> str:
 
 
 def encode_int_module(qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    # the signed value, one int8 each (W4AFP8's int4 too: compressed-tensors' IntQuantizationCompressor packs nothing)
     return {
-        "weight": (qw.codes.to(torch.int16) - 128).to(torch.int8).contiguous(),  # vLLM's signed int8
-        "weight_scale": qw.scale.to(scale_dtype).reshape(-1, 1).contiguous(),
+        "weight": (qw.codes.to(torch.int16) - (1 << (qw.spec.bits - 1))).to(torch.int8).contiguous(),
+        "weight_scale": qw.scale.to(scale_dtype).reshape(qw.shape[0], -1).contiguous(),  # [out, 1 | groups]
     }
 
 
@@ -100,10 +104,19 @@ def _channel_scale(t: dict[str, torch.Tensor]) -> torch.Tensor:
     return scale.reshape(-1, 1).expand(out, 1).contiguous()
 
 
-def decode_int_module(t: dict[str, torch.Tensor]) -> QuantizedWeight:
+def decode_int_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight:
     q = t["weight"]
     if q.dtype != torch.int8:
         raise QuantkitError(f"weight: int-quantized weights are int8, got {q.dtype}")
+    spec = int_grid(qcfg)
+    if spec.bits == 4:  # W4AFP8: signed int4 values, a scale per group
+        if q.min() < -8 or q.max() > 7:
+            raise QuantkitError("weight: W4AFP8 weights are int4 values (-8..7) in int8")
+        scale = t["weight_scale"]
+        if list(scale.shape) != [q.shape[0], spec.groups(q.shape[1])]:
+            raise QuantkitError(f"weight_scale: {list(scale.shape)} is not one scale per {spec.span(q.shape[1])} "
+                                f"columns of {list(q.shape)}")
+        return QuantizedWeight((q + 8).to(torch.uint8), scale, torch.full(scale.shape, 8, dtype=torch.uint8), spec)
     return QuantizedWeight(
         codes=(q.to(torch.int16) + 128).to(torch.uint8),
         scale=_channel_scale(t),
@@ -112,10 +125,24 @@ def decode_int_module(t: dict[str, torch.Tensor]) -> QuantizedWeight:
     )
 
 
+def _weights_args(qcfg: dict) -> dict:
+    groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
+    return (groups[0].get("weights") or {}) if groups else {}
+
+
+def int_grid(qcfg: dict) -> GridSpec:
+    """An int-quantized config's weight grid: W8A8's int8 per channel, or W4AFP8's int4 groups (symmetric)."""
+    w = _weights_args(qcfg)
+    if int(w.get("num_bits") or 8) != 4:
+        return INT8_CHANNEL
+    if not w.get("symmetric", True):
+        raise QuantkitError("weights.symmetric: int-quantized int4 weights are symmetric (W4AFP8)")
+    return GridSpec(4, int(w.get("group_size") or -1) if w.get("strategy") == "group" else -1, True)
+
+
 def block_of(qcfg: dict) -> tuple[int, int] | None:
     """weights.block_structure of a block-strategy config (quantkit writes one config group)."""
-    groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
-    weights = (groups[0].get("weights") or {}) if groups else {}
+    weights = _weights_args(qcfg)
     return tuple(int(x) for x in weights["block_structure"]) if weights.get("strategy") == "block" else None
 
 
@@ -136,11 +163,13 @@ def decode_float_module(t: dict[str, torch.Tensor], block: tuple[int, int] | Non
 def decode_module(t: dict[str, torch.Tensor], qcfg: dict, module: str | None = None) -> QuantizedTensor:
     fmt = format_of(qcfg)
     if fmt == INT:
-        return decode_int_module(t)
+        return decode_int_module(t, qcfg)
     if fmt == FLOAT:
         return decode_float_module(t, block_of(qcfg))
     if fmt in ct_fp4.PRESET:
         return ct_fp4.decode_module(t, fmt)
+    if fmt == ct_mxfp8.FORMAT:
+        return ct_mxfp8.decode_module(t)
     # a uniform recipe (and llm-compressor's W4A16 presets) has one config group targeting Linear; a mixed one a group
     # per grid (group_for)
     w = group_for(qcfg, module)["weights"]
@@ -166,27 +195,34 @@ def decode_module(t: dict[str, torch.Tensor], qcfg: dict, module: str | None = N
 def encode_w8a8(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
     """int-quantized (int8 weights) or float-quantized (FP8 weights), activations dynamic per token: llm-compressor's
     W8A8 and FP8_DYNAMIC presets, the schemes vLLM runs as CompressedTensorsW8A8Int8 / CompressedTensorsW8A8Fp8."""
-    fmt = W8A8_FORMATS.get(info.activations)
+    w4 = info.scheme.kind == "int" and info.activations == "fp8"  # W4AFP8: int4 groups, int-quantized
+    fmt = INT if w4 else W8A8_FORMATS.get(info.activations)
     if fmt is None:
         raise QuantkitError(f"activations: '{info.activations}' is not one of {', '.join(W8A8_FORMATS)}")
+    want = info.spec if w4 else INT8_CHANNEL
+    wanted = f"W4AFP8's {info.spec}" if w4 else "8-bit symmetric per-channel"
     tensors = {}
     for name, qw in qweights.items():
-        if fmt == INT and getattr(qw, "spec", None) != INT8_CHANNEL:
+        if fmt == INT and getattr(qw, "spec", None) != want:
             got = getattr(qw, "spec", type(qw).__name__)
-            raise QuantkitError(f"{name}: int-quantized needs 8-bit symmetric per-channel int weights, got {got}")
+            raise QuantkitError(f"{name}: int-quantized needs {wanted} int weights, got {got}")
         if fmt == FLOAT and qw.scheme.kind != "float":
             raise QuantkitError(f"{name}: float-quantized needs FP8 weights, got {type(qw).__name__}")
         parts = encode_int_module(qw, scale_dtype) if fmt == INT else encode_float_module(qw)
         tensors.update({f"{name}.{suffix}": t for suffix, t in parts.items()})
     kind = "int" if fmt == INT else "float"
     strategy = "block" if info.block else "tensor" if info.per_tensor else "channel"
+    grouped = w4 and info.spec.group_size != -1
     static = info.act_strategy == "tensor"
     scheme = QuantizationScheme(
         targets=["Linear"],
-        weights=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy=strategy, observer="minmax",
+        weights=QuantizationArgs(num_bits=info.spec.bits if w4 else 8, type=kind, symmetric=True,
+                                 strategy="group" if grouped else strategy, observer="minmax",
+                                 group_size=info.spec.group_size if grouped else None,
                                  block_structure=list(info.block) if info.block else None,
                                  actorder="weight" if info.act_order else None),  # as the W4A16 groups say it
-        input_activations=QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy=info.act_strategy,
+        input_activations=QuantizationArgs(num_bits=8, type="float" if w4 else kind, symmetric=True,
+                                           strategy=info.act_strategy,
                                            group_size=info.act_group, dynamic=not static,
                                            **({"observer": STATIC_OBSERVERS[info.act_observer]} if static else {})),
         format=fmt,
@@ -212,6 +248,9 @@ def _config(scheme: QuantizationScheme | list[QuantizationScheme], info: QuantIn
 
 
 def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: torch.dtype) -> Encoded:
+    if info.scheme.kind == "mxfp8":
+        tensors, scheme = ct_mxfp8.encode(qweights, info)
+        return Encoded(tensors, _config(scheme, info, scheme.format))
     if info.activations is not None:
         return encode_w8a8(qweights, info, scale_dtype)
     if info.scheme.kind == "fp4":
@@ -304,7 +343,7 @@ def _block_scale(block: tuple[int, int]) -> Part:
 class CompressedTensors(Format):
     name = "compressed-tensors"
     bits = (4, 8)
-    kinds = ("int", "float", "fp4")
+    kinds = ("int", "float", "fp4", "mxfp8")
     weight_only = False
     kv_cache = True
     mixed = True
@@ -331,13 +370,25 @@ class CompressedTensors(Format):
             return Layout(kind, PARTS[kind] | {"weight_scale": _block_scale(block)}, 8, -1)
         if kind in ct_fp4.PRESET:
             return Layout(kind, ct_fp4.parts(kind), 4, ct_fp4.SPECS[ct_fp4.PRESET[kind]].group_size)
+        if kind == ct_mxfp8.FORMAT:
+            return Layout(kind, ct_mxfp8.PARTS, 8, 32)
+        if kind == INT and int_grid(qcfg).bits == 4:  # W4AFP8
+            spec = int_grid(qcfg)
+            return Layout(kind, PARTS[kind] | {"weight_scale": Part(FLOATS, lambda d: [[d.out, d.groups]])}, 4,
+                          spec.group_size)
         if kind != PACKED:
             return Layout(kind, PARTS[kind], 8, -1)
         w = group_for(qcfg, module)["weights"]
         return Layout(kind, PARTS[kind], int(w["num_bits"]), int(w.get("group_size") or -1))
 
     def activations(self, qcfg: dict) -> str | None:
-        return {v: k for k, v in W8A8_FORMATS.items()}.get(format_of(qcfg))
+        fmt = format_of(qcfg)
+        if fmt == INT and int_grid(qcfg).bits == 4:
+            return "fp8"  # W4AFP8
+        if fmt == ct_mxfp8.FORMAT:  # MXFP8 with its inputs quantized, or MXFP8A16
+            groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
+            return "mxfp8" if groups and groups[0].get("input_activations") else None
+        return {v: k for k, v in W8A8_FORMATS.items()}.get(fmt)
 
     def input_group(self, qcfg: dict) -> int | None:
         groups = [g for g in qcfg.get("config_groups", {}).values() if isinstance(g, dict)]

@@ -7,6 +7,8 @@ The arithmetic vLLM runs for compressed-tensors int-quantized / float-quantized 
         torch._scaled_mm with those row / column scales on CUDA; elsewhere an emulation that dequantizes both
         operands to float32 and multiplies them. A static input scale (the FP8 preset) replaces the token scales;
         FP8_BLOCK's layer takes a scale per group of columns of each token and per weight block (emulated).
+W4AFP8: int4 weights (a scale per group) with FP8 inputs per token, emulated in float32 (W4Fp8Linear); MXFP8:
+e4m3 weights and inputs with power-of-two scales per 32 columns, emulated in float32 (Mxfp8Linear).
 Each layer records in `path` which matmul its last forward ran.
 """
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from ..algorithms.fp8 import FP8_DTYPE, FP8_MAX, Fp8BlockWeight, Fp8Weight, fp8_quantize
 from ..algorithms.grid import INT8_CHANNEL, QuantizedWeight
+from ..algorithms.mxfp8 import Mxfp8Weight, fake_quantize_mx
 from ..algorithms.scheme import QuantizedTensor
 from ..algorithms.rtn import rtn_quantize
 from ..errors import QuantkitError
@@ -65,7 +68,10 @@ def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 def fake_quantize_input(x: torch.Tensor, kind: str, group: int | None = None,
                         scale: torch.Tensor | None = None) -> torch.Tensor:
-    """fake_quantize_tokens, per group of `group` columns (FP8_BLOCK) or on a static scale (the FP8 preset)."""
+    """fake_quantize_tokens, per group of `group` columns (FP8_BLOCK) or on a static scale (the FP8 preset); MXFP8's
+    (kind mxfp8) per group of 32 columns with power-of-two scales."""
+    if kind == "mxfp8":
+        return fake_quantize_mx(x)
     if group is None and scale is None:
         return fake_quantize_tokens(x, kind)
     flat = x.reshape(-1, x.shape[-1])
@@ -229,6 +235,48 @@ class Fp8BlockLinear(nn.Module):
         return out.to(x.dtype).reshape(*lead, -1)
 
 
+class W4Fp8Linear(nn.Module):
+    """W4AFP8: int4 weights with a scale per group of columns, inputs quantized to FP8 per token at run time (the
+    scale max|x| / 448, as Fp8Linear's); emulated in float32 on the dequantized weight (vLLM's W4A8-FP8 GEMM is a
+    Hopper kernel)."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", qw.dequantize(torch.float32))  # exact: int4 value x fp16 / fp32 scale
+        self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.path: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, token_scale = quantize_tokens_fp8(x.reshape(-1, x.shape[-1]))
+        out = (q.float() * token_scale) @ self.weight.t()
+        self.path = "emulated"
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*lead, -1)
+
+
+class Mxfp8Linear(nn.Module):
+    """MXFP8: e4m3 weights with a power-of-two scale per 32 columns, inputs quantized the same way per token and
+    group of 32 columns at run time (compressed-tensors' dynamic MX input quantization); emulated in float32 (vLLM's
+    MXFP8 GEMMs are GPU kernels)."""
+
+    def __init__(self, qw: Mxfp8Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", qw.dequantize(torch.float32))  # exact: e4m3 x a power of two
+        self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.path: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fake_quantize_mx(x.float()) @ self.weight.t()
+        self.path = "emulated"
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
+
+
 LAYERS = {"int": Int8Linear, "float": Fp8Linear}  # a W8A8 weight's scheme kind -> the layer that runs it
 
 
@@ -237,6 +285,10 @@ def w8a8_layer(qw: QuantizedTensor, bias: torch.Tensor | None, group: int | None
         if group is None:
             raise QuantkitError("input_activations: FP8 block weights are run with inputs per group of columns")
         return Fp8BlockLinear(qw, group, bias)
+    if isinstance(qw, QuantizedWeight) and qw.spec.bits == 4:
+        return W4Fp8Linear(qw, bias)
+    if isinstance(qw, Mxfp8Weight):
+        return Mxfp8Linear(qw, bias)
     return LAYERS[qw.scheme.kind].from_weights(qw, bias)
 
 

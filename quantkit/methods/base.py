@@ -13,6 +13,7 @@ from torch import nn
 from ..algorithms.fp4 import Fp4Spec, fp4_rtn, global_scale_for
 from ..algorithms.fp8 import fp8_block_quantize, fp8_quantize
 from ..algorithms.grid import STEP, GridSpec, row_steps
+from ..algorithms.mxfp8 import mxfp8_rtn
 from ..algorithms.rtn import rtn_quantize
 from ..algorithms.scheme import QuantizedTensor
 from .config import WeightQuant
@@ -62,7 +63,7 @@ class Method:
 
 
 def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec | Fp4Spec) -> tuple[QuantizedTensor, float]:
-    """Round-to-nearest (FP8 for type: float, FP4 for type: fp4) swapped into the Linear; the loss is the weight's mean
+    """Round-to-nearest (FP8 for type: float, FP4 for type: fp4, MXFP8 for type: mxfp8) swapped into the Linear; the loss is the weight's mean
     squared error."""
     if args.type == "float" and args.block is not None:
         qw = fp8_block_quantize(module.weight.data, args.block)
@@ -70,6 +71,8 @@ def round_linear(module: nn.Linear, args: WeightQuant, spec: GridSpec | Fp4Spec)
         qw = fp8_quantize(module.weight.data, args.per_tensor)
     elif isinstance(spec, Fp4Spec):
         qw = fp4_rtn(module.weight.data, spec, global_scale_for(module, spec))
+    elif args.type == "mxfp8":
+        qw = mxfp8_rtn(module.weight.data)
     else:
         qw = rtn_quantize(module.weight.data, spec, args.observer)
     deq = qw.dequantize(module.weight.dtype).to(module.weight.device)

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from ..algorithms.fp4 import Fp4Spec, spec_for
 from ..algorithms.grid import GridSpec
+from ..algorithms.mxfp8 import MX8, Mxfp8Spec
 from . import presets
 
 
@@ -49,7 +50,7 @@ class Activations(OmitDefaults):
 
     _omit = ("group_size", "observer")
     bits: Literal[8] = 8
-    type: Literal["int", "float"] = "int"  # float: FP8 e4m3
+    type: Literal["int", "float", "mxfp8"] = "int"  # float: FP8 e4m3; mxfp8: e4m3 with e8m0 scales per 32 columns
     dynamic: bool = True  # false: one static input scale per Linear (strategy: tensor)
     strategy: Literal["token", "group", "tensor"] = "token"
     group_size: int | None = Field(None, ge=1)  # strategy: group: columns per scale
@@ -59,7 +60,7 @@ class Activations(OmitDefaults):
 
     @property
     def kind(self) -> str:
-        return "int8" if self.type == "int" else "fp8"
+        return {"int": "int8", "float": "fp8"}.get(self.type, self.type)
 
 
 Positive = Annotated[int, Field(ge=1)]
@@ -73,8 +74,9 @@ class WeightQuant(OmitDefaults):
     group_size: Literal[-1, 16, 32, 64, 128, 256] = 128
     sym: bool = True
     # float: FP8 e4m3, one scale per output channel (RTN only); fp4: e2m1 with group scales (NVFP4 groups of 16,
-    # MXFP4 groups of 32), as the NVFP4A16 / MXFP4A16 presets set it
-    type: Literal["int", "float", "fp4"] = "int"
+    # MXFP4 groups of 32), as the NVFP4A16 / MXFP4A16 presets set it; mxfp8: e4m3 with e8m0 scales per 32 columns
+    # (MXFP8A16, MXFP8)
+    type: Literal["int", "float", "fp4", "mxfp8"] = "int"
     # how each group's scale (and zero) is chosen: its min and max, or the clip of least |w - q|^2.4 (grid.mse_params)
     observer: Literal["minmax", "mse"] = "minmax"
     activations: Activations | None = None  # None: weight-only
@@ -112,9 +114,27 @@ class WeightQuant(OmitDefaults):
             raise error("activations: fp4 weights are written weight-only (NVFP4A16, MXFP4A16); drop activations")
         return self
 
+    @model_validator(mode="after")
+    def _mxfp8(self) -> "WeightQuant":
+        act = self.activations
+        if self.type != "mxfp8":
+            if act is not None and act.type == "mxfp8":
+                raise error("activations.type: mxfp8 inputs go with mxfp8 weights (MXFP8), got type: {t}", t=self.type)
+            return self
+        for key, want in (("bits", 8), ("group_size", 32), ("sym", True), ("observer", "minmax")):
+            if getattr(self, key) != want:
+                raise error("{key}: mxfp8 weights are e4m3 with a power-of-two scale per 32 columns (MXFP8A16, "
+                            "MXFP8): {key}: {want}", key=key, want=str(want).lower() if want is True else want)
+        if act is not None and (act.type, act.strategy, act.group_size, act.dynamic) != ("mxfp8", "group", 32, True):
+            raise error("activations: mxfp8 weights take no inputs or MXFP8's (type: mxfp8, strategy: group, "
+                        "group_size: 32, dynamic: true)")
+        return self
+
     @property
-    def grid(self) -> GridSpec | Fp4Spec:
-        """What the weights are rounded to: the int grid, or the FP4 preset's (its group size tells which)."""
+    def grid(self) -> GridSpec | Fp4Spec | Mxfp8Spec:
+        """What the weights are rounded to: the int grid, the FP4 preset's (its group size tells which), or MXFP8's."""
+        if self.type == "mxfp8":
+            return MX8
         return spec_for(self.group_size) if self.type == "fp4" else GridSpec(self.bits, self.group_size, self.sym)
 
 
@@ -150,7 +170,10 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
         for key in ("block", "per_tensor"):
             if getattr(args, key):
                 raise error("{path}.{key}: FP8 weights only (type: float)", path=path, key=key)
-    if act is None:
+    if act is None or args.type == "mxfp8":  # MXFP8's inputs: WeightQuant._mxfp8
+        return
+    if args.type == "int" and act.type == "float" and args.bits != 8:  # W4AFP8 (int8 weights: W8A8's rules)
+        _check_w4afp8(args, path)
         return
     for key, want, why in (("bits", 8, "8-bit weights"), ("group_size", -1, "one scale per output channel"),
                            ("sym", True, "symmetric weights, the only ones vLLM runs")):
@@ -173,3 +196,24 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
         raise error("{path}.activations.strategy: FP8 block weights take inputs per group of columns (strategy: group) "
                     "and only they do; got strategy: {s} {w}", path=path, s=act.strategy,
                     w="with block" if args.block is not None else "without block")
+
+
+def _check_w4afp8(args: WeightQuant, path: str) -> None:
+    """int4 weights with FP8 inputs per token at run time (W4AFP8): the weights a W4A16 grid, symmetric, as
+    compressed-tensors' preset and vLLM's W4A8-FP8 kernel take them."""
+    act = args.activations
+    for key, want, why in (("bits", 4, "4-bit weights"), ("sym", True, "symmetric weights")):
+        if getattr(args, key) != want:
+            raise error("{path}.{key}: W4AFP8 (int weights, FP8 activations) needs {why}: {key}: {want}",
+                        path=path, key=key, want=str(want).lower(), why=why)
+    if act.strategy != "token" or not act.dynamic:
+        raise error("{path}.activations.strategy: W4AFP8 quantizes its inputs per token at run time (strategy: "
+                    "token, dynamic: true), got strategy: {s}", path=path, s=act.strategy)
+
+
+def activation_label(args: WeightQuant) -> str:
+    """How messages name a weight stage with quantized inputs."""
+    if args.type == "mxfp8":
+        return "MXFP8 (MX activations)"
+    w4afp8 = args.type == "int" and args.activations.type == "float" and args.bits != 8
+    return "W4AFP8 (FP8 activations)" if w4afp8 else "W8A8 (activations)"

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 _FP8 = {"bits": 8, "group_size": -1, "sym": True, "type": "float"}
+_MX8 = {"type": "mxfp8", "bits": 8, "group_size": 32, "sym": True}
 
 SUPPORTED: dict[str, dict[str, Any]] = {
     "W4A16": {"bits": 4, "group_size": 128, "sym": True},
@@ -26,12 +27,18 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "FP8": _FP8 | {"per_tensor": True, "activations": {"type": "float", "dynamic": False, "strategy": "tensor"}},
     # FP8 weights one scale per [128, 128] block, FP8 inputs per group of 128 columns at run time (DeepSeek-V3's)
     "FP8_BLOCK": _FP8 | {"block": [128, 128], "activations": {"type": "float", "strategy": "group", "group_size": 128}},
+    # int4 weights per group of 128 columns, FP8 inputs per token at run time
+    "W4AFP8": {"bits": 4, "group_size": 128, "sym": True, "activations": {"type": "float"}},
     # e2m1 values, float8_e4m3 scales per 16 columns over a float32 global scale; weight-only
     "NVFP4A16": {"type": "fp4", "bits": 4, "group_size": 16, "sym": True},
     # e2m1 values, power-of-two (e8m0) scales per 32 columns; weight-only
     "MXFP4A16": {"type": "fp4", "bits": 4, "group_size": 32, "sym": True},
+    # e4m3 values, power-of-two (e8m0) scales per 32 columns; weight-only
+    "MXFP8A16": _MX8,
+    # the same weights, inputs quantized the same way per token and group of 32 columns at run time
+    "MXFP8": _MX8 | {"activations": {"type": "mxfp8", "strategy": "group", "group_size": 32}},
 }
-FIXED = {"NVFP4A16", "MXFP4A16"}  # presets whose fields are the format itself
+FIXED = {"NVFP4A16", "MXFP4A16", "MXFP8A16", "MXFP8"}  # presets whose fields are the format itself
 
 
 def expand(data: Any) -> Any:

@@ -61,8 +61,9 @@ def plan(
     for name, m in targets.items():
         own = specs.get(name)
         group_size, where = (args.group_size, path) if own is None else (own.group_size, f"overrides.{origin[name]}")
-        if args.type == "fp4" and m.in_features % args.group_size:
-            raise QuantkitError(f"{path}.scheme: {spec.preset} needs in_features a multiple of {args.group_size} "
+        if args.type in ("fp4", "mxfp8") and m.in_features % args.group_size:
+            preset = spec.preset if args.type == "fp4" else args.scheme or "MXFP8"
+            raise QuantkitError(f"{path}.scheme: {preset} needs in_features a multiple of {args.group_size} "
                                 f"(its group size); {name} has {m.in_features}")
         if group_size != -1 and m.in_features % group_size:
             divisors = [g for g in (32, 64, 128, 256) if m.in_features % g == 0]
