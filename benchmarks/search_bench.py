@@ -107,23 +107,36 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out/search-bench")
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--skip", default="", help="comma-separated steps to leave out: uniform_pc, hand_rule")
+    ap.add_argument("--reuse", action="store_true", help="keep artifacts (and walls) a previous run left in --out")
     a = ap.parse_args()
     out = (ROOT / a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"walls": {}}
-    res["walls"]["uniform_g64"] = timed(["quantkit", "quantize", str(uniform(out, "uniform-g64", 64)),
-                                         "--overwrite", "--quiet"], out / "uniform-g64.log")
-    res["walls"]["search"] = timed(["quantkit", "search", "recipes/smollm2-135m-search.yaml", "--overwrite",
-                                    "--quiet", "--json", str(out / "search.json")], out / "search.log")
+    skip = set(filter(None, a.skip.split(",")))
+    prior = json.loads((out / "results.json").read_text()) if a.reuse and (out / "results.json").is_file() else {}
+    res: dict = {"walls": prior.get("walls", {})}
+
+    def step(name: str, cmd: list[str], artifact: Path) -> None:
+        if a.reuse and (artifact / "quantkit.json").is_file() and name in res["walls"]:
+            return
+        res["walls"][name] = timed(cmd, out / f"{name}.log")
+        (out / "results.json").write_text(json.dumps(res, indent=2))
+
+    step("uniform_g64", ["quantkit", "quantize", str(uniform(out, "uniform-g64", 64)), "--overwrite", "--quiet"],
+         out / "uniform-g64/compressed-tensors")
+    step("search", ["quantkit", "search", "recipes/smollm2-135m-search.yaml", "--overwrite", "--quiet", "--json",
+                    str(out / "search.json")], ROOT / "out/smollm2-135m-search/compressed-tensors")
     search = json.loads((out / "search.json").read_text())
-    res["walls"]["uniform_pc"] = timed(["quantkit", "quantize", str(uniform(out, "uniform-pc", -1)),
-                                        "--overwrite", "--quiet"], out / "uniform-pc.log")
-    rule = hand_rule(search["budget_bytes"] - search["fixed_bytes"], 30)
-    res["walls"]["hand_rule"] = timed(["quantkit", "quantize", str(uniform(out, "hand-rule", 64, rule)),
-                                       "--overwrite", "--quiet"], out / "hand-rule.log")
-    arts = {"search": Path(search["artifact"]).resolve(), "uniform g64": out / "uniform-g64/compressed-tensors",
-            "uniform per-channel": out / "uniform-pc/compressed-tensors",
-            "Q4_K_M-style rule": out / "hand-rule/compressed-tensors"}
+    arts = {"search": Path(search["artifact"]).resolve(), "uniform g64": out / "uniform-g64/compressed-tensors"}
+    if "uniform_pc" not in skip:
+        step("uniform_pc", ["quantkit", "quantize", str(uniform(out, "uniform-pc", -1)), "--overwrite", "--quiet"],
+             out / "uniform-pc/compressed-tensors")
+        arts["uniform per-channel"] = out / "uniform-pc/compressed-tensors"
+    if "hand_rule" not in skip:
+        rule = hand_rule(search["budget_bytes"] - search["fixed_bytes"], 30)
+        step("hand_rule", ["quantkit", "quantize", str(uniform(out, "hand-rule", 64, rule)), "--overwrite", "--quiet"],
+             out / "hand-rule/compressed-tensors")
+        arts["Q4_K_M-style rule"] = out / "hand-rule/compressed-tensors"
     res["bytes"] = {k: sum(f.stat().st_size for f in p.glob("*.safetensors")) for k, p in arts.items()}
     res["kld"] = {k: evaluate(p, out, a.tokens) for k, p in arts.items()}
     res["search"] = {k: search[k] for k in ("budget_bytes", "predicted", "measured", "checks", "timings")}
@@ -141,7 +154,8 @@ def main() -> None:
                      + f" | {worst:.4f} | {worst / ref:.2f}× |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(json.dumps(res["walls"]), f"search / one GPTQ quantize: {res['walls']['search'] / res['walls']['uniform_g64']:.2f}x")
+    w = res["walls"]
+    print(json.dumps(w), f"search / one GPTQ quantize: {w['search'] / w['uniform_g64']:.2f}x")
 
 
 if __name__ == "__main__":
