@@ -31,8 +31,8 @@ MIXED = """overrides:
 
 
 def recipe(tmp_path: Path, model: Path, stage: str, overrides: str, formats=("compressed-tensors",),
-           out: str = "out") -> Path:
-    path = write_recipe(tmp_path / f"{out}.yaml", model, tmp_path / out, stage, formats)
+           out: str = "out", load: str = "auto") -> Path:
+    path = write_recipe(tmp_path / f"{out}.yaml", model, tmp_path / out, stage, formats, load=load)
     path.write_text(path.read_text() + overrides)
     return path
 
@@ -96,14 +96,15 @@ def test_mixed_artifact(stage, tiny_llama, tmp_path):
 
 
 def test_the_same_recipe_writes_the_same_bytes(tiny_llama, tmp_path):
+    """Run again, and loaded whole instead of streamed block by block: the same bytes."""
     digests = []
-    for out in ("a", "b"):
-        run_quantize(load_recipe(recipe(tmp_path, tiny_llama, "rtn: {bits: 4, group_size: 32}", MIXED, out=out)),
-                     overwrite=False, report=Reporter(quiet=True))
+    for out, load in (("a", "stream"), ("b", "stream"), ("c", "memory")):
+        run_quantize(load_recipe(recipe(tmp_path, tiny_llama, "gptq: {bits: 4, group_size: 32}", MIXED, out=out,
+                                        load=load)), overwrite=False, report=Reporter(quiet=True))
         art = tmp_path / out / "compressed-tensors"
         digests.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(art.iterdir())
                         if f.name != "quantkit.json"})
-    assert digests[0] == digests[1]
+    assert digests[0] == digests[1] == digests[2]
 
 
 def test_fused_groups_in_model_order():
