@@ -134,6 +134,9 @@ def test_fused_groups_in_model_order():
      "overrides.0.targets: matches no quantized Linear (e.g. model.layers.0.self_attn.q_proj)"),
     ("llama", "overrides:\n  - {targets: [mlp], layers: [2], bits: 8}\n",
      "overrides.0.layers: block 2 is not a decoder block (the model has 2: 0-1)"),
+    ("llama", "overrides:\n  - {targets: [o_proj], layers: \"1-1\", group_size: 128}\n",
+     "overrides.0.group_size: 128 does not divide in_features 64 of model.layers.1.self_attn.o_proj; use 32 or 64 "
+     "or -1"),
 ])
 def test_bad_overrides_of_the_model_are_one_line(arch, overrides, line, tiny_factory, tmp_path, monkeypatch, capsys):
     path = recipe(tmp_path, tiny_factory(arch), "rtn: {bits: 4, group_size: 32}", overrides)

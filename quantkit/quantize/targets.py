@@ -106,4 +106,3 @@ def plan(
         floated=sorted(left_float),
     )
     return prefix, targets, info
-
