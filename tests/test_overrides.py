@@ -31,8 +31,8 @@ MIXED = """overrides:
 
 
 def recipe(tmp_path: Path, model: Path, stage: str, overrides: str, formats=("compressed-tensors",),
-           out: str = "out") -> Path:
-    path = write_recipe(tmp_path / f"{out}.yaml", model, tmp_path / out, stage, formats)
+           out: str = "out", load: str = "auto") -> Path:
+    path = write_recipe(tmp_path / f"{out}.yaml", model, tmp_path / out, stage, formats, load=load)
     path.write_text(path.read_text() + overrides)
     return path
 
@@ -96,14 +96,15 @@ def test_mixed_artifact(stage, tiny_llama, tmp_path):
 
 
 def test_the_same_recipe_writes_the_same_bytes(tiny_llama, tmp_path):
+    """Run again, and loaded whole instead of streamed block by block: the same bytes."""
     digests = []
-    for out in ("a", "b"):
-        run_quantize(load_recipe(recipe(tmp_path, tiny_llama, "rtn: {bits: 4, group_size: 32}", MIXED, out=out)),
-                     overwrite=False, report=Reporter(quiet=True))
+    for out, load in (("a", "stream"), ("b", "stream"), ("c", "memory")):
+        run_quantize(load_recipe(recipe(tmp_path, tiny_llama, "gptq: {bits: 4, group_size: 32}", MIXED, out=out,
+                                        load=load)), overwrite=False, report=Reporter(quiet=True))
         art = tmp_path / out / "compressed-tensors"
         digests.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(art.iterdir())
                         if f.name != "quantkit.json"})
-    assert digests[0] == digests[1]
+    assert digests[0] == digests[1] == digests[2]
 
 
 def test_fused_groups_in_model_order():
@@ -133,6 +134,9 @@ def test_fused_groups_in_model_order():
      "overrides.0.targets: matches no quantized Linear (e.g. model.layers.0.self_attn.q_proj)"),
     ("llama", "overrides:\n  - {targets: [mlp], layers: [2], bits: 8}\n",
      "overrides.0.layers: block 2 is not a decoder block (the model has 2: 0-1)"),
+    ("llama", "overrides:\n  - {targets: [o_proj], layers: \"1-1\", group_size: 128}\n",
+     "overrides.0.group_size: 128 does not divide in_features 64 of model.layers.1.self_attn.o_proj; use 32 or 64 "
+     "or -1"),
 ])
 def test_bad_overrides_of_the_model_are_one_line(arch, overrides, line, tiny_factory, tmp_path, monkeypatch, capsys):
     path = recipe(tmp_path, tiny_factory(arch), "rtn: {bits: 4, group_size: 32}", overrides)

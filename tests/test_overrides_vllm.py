@@ -21,7 +21,8 @@ import pytest
 import torch
 from conftest import write_recipe
 from test_overrides import MIXED
-from test_vllm import KERNELS_WORKER, PYTHON, against_quantkit, check_agreement, needs_vllm, refused_for_its_kernel
+from test_vllm import (KERNELS_WORKER, PYTHON, against_quantkit, check_agreement, needs_vllm, refused_for_its_kernel,
+                       release_recipe)
 
 from quantkit import runtime
 from quantkit.engines.vllm import NO_W8A16, VllmEngine, weight_only_bits
@@ -129,6 +130,22 @@ def test_an_8_bit_weight_only_group_is_refused_on_a_cpu_before_vllm_loads(tiny_l
                 engine.load(str(artifact), "float16", 128)
             assert str(err.value) == f"vllm: cannot serve {artifact}: {NO_W8A16}"
     assert not (tmp_path / "seen").exists()
+
+
+def test_a_release_of_an_8_bit_group_in_vllm_stops_before_quantizing(tiny_llama, tmp_path, monkeypatch, capsys):
+    """release.eval.engine: vllm on a CPU (the AVX2 stand-in), a W4 recipe whose overrides ask for 8 bits: one line,
+    before any work."""
+    from conftest import run_cli
+
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(KERNELS_WORKER.format(python=sys.executable, seen=str(tmp_path / "seen"))))
+    fake.chmod(0o755)
+    monkeypatch.setenv("QUANTKIT_VLLM_PYTHON", str(fake))
+    recipe = release_recipe(tiny_llama, tmp_path, "gptq: {bits: 4, group_size: 32}")
+    recipe.write_text(recipe.read_text() + "\n" + MIXED)  # release_recipe ends without one
+    assert run_cli(monkeypatch, "release", recipe, "--quiet") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: release.eval.engine: vllm: {NO_W8A16}"
+    assert not (tmp_path / "out").exists()
 
 
 @needs_vllm

@@ -107,4 +107,3 @@ def plan(
         floated=sorted(left_float),
     )
     return prefix, targets, info
-
