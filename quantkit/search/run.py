@@ -88,7 +88,7 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     chosen_raw = _chosen_recipe(raw, stage.name, mix)
     write_text_atomic(out / "recipe.yaml", "# written by quantkit search (search.json has why)\n"
                       + yaml.safe_dump(chosen_raw, sort_keys=False, width=120))
-    with report.timed("quantize"):
+    with report.timed("quantize_mix"):  # the run's own steps are timed under their names beside it
         summary = run_quantize(parse_recipe(chosen_raw, str(out / "recipe.yaml")), overwrite, report)
     artifact = Path(recipe.export.output) / fmt
     written = _written_bytes(artifact)
