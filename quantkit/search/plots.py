@@ -18,7 +18,8 @@ def pareto(body: dict, path: Path) -> None:
     for d in body["domains"]:
         ax.plot(mb, [p["kld"][d] for p in points], lw=0.8, alpha=0.6, label=f"predicted {d}")
     ax.plot(mb, [p["worst"] for p in points], "k-o", ms=3, lw=1.6, label="predicted worst domain")
-    m = body["measured"]
+    p, m = body["predicted"], body["measured"]
+    ax.plot([p["bytes"] / 1e6], [p["worst"]], "kx", ms=9, label="chosen mix, predicted worst")
     ax.plot([m["bytes"] / 1e6], [m["worst"]], "r*", ms=12, label="chosen mix, measured worst")
     ax.axvline(body["budget_bytes"] / 1e6, color="grey", ls=":", lw=1, label="budget")
     ax.set_xlabel("weight bytes (MB, safetensors)")
