@@ -85,6 +85,9 @@ def hand_rule(budget: int, n_blocks: int) -> list:
                    key=lambda g: abs(int(g[0].split(".")[2]) - n_blocks / 2))
     while sum(cost(g, p) for g, p in pick.items()) > budget and order:
         pick[order.pop(0)] = "w4pc"
+    over = sum(cost(g, p) for g, p in pick.items()) - budget
+    if over > 0:  # every other group is per-channel already: the rule's 8-bit groups alone exceed the budget
+        print(f"hand rule: {over} bytes over the budget with every other group per-channel", file=sys.stderr)
     out = []
     for grid in ("w8pc", "w4pc"):
         names = sorted(n for g, p in pick.items() if p == grid for n in g)
