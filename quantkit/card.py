@@ -109,7 +109,12 @@ def _mix(recipe: Recipe) -> list[str]:
         kinds: dict[str, list[str]] = {}
         for t in o.targets:
             m = re.fullmatch(r".*?\.(\d+)\.(.+)", t)
-            kinds.setdefault(m[2] if m else t, []).append(m[1] if m else "")
+            kind = re.sub(r"experts\.\d+\.", "experts.*.", m[2]) if m else t  # one row for a layer's experts
+            blocks = kinds.setdefault(kind, [])
+            if m and m[1] not in blocks:
+                blocks.append(m[1])
+            elif not m:
+                blocks.append("")
         shown = "; ".join(f"{k} ({', '.join(b for b in blocks if b)})" if any(blocks) else k
                           for k, blocks in kinds.items())
         lines.append(f"| {grid} | {shown}{' in blocks ' + str(o.layers) if o.layers is not None else ''} |")

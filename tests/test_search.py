@@ -142,5 +142,10 @@ def test_card_lists_the_per_layer_grids():
     lines = card._mix(r)
     assert "| bits 8, group_size -1 | mlp.down_proj (0, 29); self_attn.q_proj (3) |" in lines
     assert "| float | mlp.gate_proj; mlp.up_proj in blocks 2-4 |" in lines
+    experts = parse_recipe({"model": "x", "stages": [{"rtn": {"bits": 4, "group_size": 64}}],
+                            "export": {"output": "o", "formats": ["compressed-tensors"]},
+                            "overrides": [{"targets": [f"model.layers.{b}.mlp.experts.{e}.down_proj"
+                                                       for b in (1, 2) for e in range(4)], "bits": 8}]})
+    assert "| bits 8 | mlp.experts.*.down_proj (1, 2) |" in card._mix(experts)  # one row for a layer's experts
     assert card._mix(parse_recipe({"model": "x", "stages": [{"rtn": {"bits": 4, "group_size": 64}}],
                                    "export": {"output": "o"}})) == []

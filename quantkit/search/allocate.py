@@ -44,7 +44,10 @@ def allocate(increase: np.ndarray, cost: np.ndarray, budget: int) -> Choice:
     if res.x is None:
         raise QuantkitError(f"search: the allocation found no mix within the budget ({res.message})")
     pick = [int(np.argmax(res.x[g * cands:(g + 1) * cands])) for g in range(groups)]
-    return choice(pick, increase, cost)
+    chosen = choice(pick, increase, cost)
+    if not res.success or chosen.bytes > budget:  # the picks rounded from a solution feasible only within tolerance
+        raise QuantkitError(f"search: the allocation's mix takes {chosen.bytes} bytes of {budget} ({res.message})")
+    return chosen
 
 
 def check_budget(cost: np.ndarray, budget: int) -> None:

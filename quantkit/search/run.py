@@ -6,6 +6,7 @@ formats."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from .. import runtime
 from ..errors import QuantkitError
 from ..families import moe
 from ..files import write_json_atomic, write_text_atomic
-from ..model import decoder_blocks, load_model, torch_dtype
+from ..model import decoder_blocks, load_model, model_fingerprint, torch_dtype
+from ..overrides import block_index
 from ..progress import Reporter
 from ..quantize import calibration
 from ..quantize import targets as target_plan
@@ -62,7 +64,7 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     loaded = load_model(recipe.model, recipe.dtype)
     model = loaded.model
     moe.unfuse(model)
-    _, blocks = decoder_blocks(model)
+    prefix, blocks = decoder_blocks(model)
     _, targets, info = target_plan.plan(model, stage, recipe.export.formats)
     groups = target_plan.fused_groups(list(targets))
     dtype = next(model.parameters()).dtype if recipe.export.dtype == "auto" else torch_dtype(recipe.export.dtype)
@@ -75,9 +77,11 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     report.info(f"search: {len(groups)} groups of {len(targets)} Linears x {len(specs)} candidates "
                 f"({', '.join(map(label, specs))}); budget {budget + fixed} bytes")
 
-    key = {"recipe": recipe_fingerprint(recipe), "search": cfg.model_dump(mode="json"),
-           "candidates": [label(s) for s in specs]}
-    measured, sample = _sensitivity(recipe, cfg, loaded, blocks, targets, groups, specs, key, out, report)
+    # what the measurements depend on: not the budget (a search is re-run at another budget), but the model's files
+    # and the scored tokens (added once they are read)
+    key = {"recipe": recipe_fingerprint(recipe), "model": model_fingerprint(recipe.model),
+           "search": cfg.model_dump(mode="json", exclude={"budget"}), "candidates": [label(s) for s in specs]}
+    measured, sample = _sensitivity(recipe, cfg, loaded, prefix, blocks, targets, groups, specs, key, out, report)
     increase = np.array([[m["increase"][c] for c in range(len(specs))] for m in measured])  # [G, C, D]
     with report.timed("allocate"):
         chosen = allocate.allocate(increase, cost, budget)
@@ -135,14 +139,15 @@ def _budget(cfg: Search, stage_args, targets, info, fmt, dtype, fixed: int, path
     return sum(sizes.linear_bytes(n, m, spec, fmt, info, dtype) for n, m in targets.items())
 
 
-def _sensitivity(recipe: Recipe, cfg: Search, loaded, blocks, targets, groups, specs, key, out: Path,
+def _sensitivity(recipe: Recipe, cfg: Search, loaded, prefix: str, blocks, targets, groups, specs, key, out: Path,
                  report: Reporter) -> tuple[list[dict], sensitivity.Sample]:
     """Per group: each candidate's output error and KLD increase per domain (measured or scaled), block by block."""
     model, stage = loaded.model, recipe.stage
-    cache = sensitivity.BlockCache(out / "sensitivity", key)
     with report.timed("score_text"):
         sample = sensitivity.score_sample(cfg, loaded, blocks, recipe.model, recipe.dtype,
                                           recipe.calibration.seed if recipe.calibration else 0, report)
+    key = key | {"tokens_sha256": hashlib.sha256(sample.ids.numpy().tobytes()).hexdigest()}
+    cache = sensitivity.BlockCache(out / "sensitivity", key)
     # the Hessians solve each candidate (GPTQ) and weigh its output error; without calibration (RTN) the error is
     # the weights' own
     need_data = recipe.calibration is not None
@@ -155,7 +160,7 @@ def _sensitivity(recipe: Recipe, cfg: Search, loaded, blocks, targets, groups, s
     gram = torch.bfloat16 if getattr(stage.weights, "hessian_dtype", "float32") == "bfloat16" else torch.float32
     by_block: dict[int, list[int]] = {}
     for gi, g in enumerate(groups):
-        by_block.setdefault(_index(g[0]), []).append(gi)
+        by_block.setdefault(block_index(g[0], prefix), []).append(gi)
     checks = set(np.linspace(0, len(groups) - 1, cfg.checks).round().astype(int).tolist()) if cfg.checks else set()
     share = sensitivity.shared_inputs(list(targets))
     result: list[dict | None] = [None] * len(groups)
@@ -181,12 +186,6 @@ def _sensitivity(recipe: Recipe, cfg: Search, loaded, blocks, targets, groups, s
                 result[gi] = bodies[-1]
             cache.put(i, bodies)
     return result, sample  # type: ignore[return-value]
-
-
-def _index(name: str) -> int:
-    """The decoder block of a Linear's name (model.layers.<i>. ...)."""
-    parts = name.split(".")
-    return next(int(p) for p in parts if p.isdigit())
 
 
 def _group(names, targets, share, hess, specs, solver, method, model, blocks, i, sample, measure_all) -> dict:
@@ -223,25 +222,19 @@ def _group(names, targets, share, hess, specs, solver, method, model, blocks, i,
         finally:
             for n in names:
                 targets[n].weight.data = originals[n]
-    domains = len(sample.domains)
-    increase = []
-    for c, spec in enumerate(specs):
-        if spec is None:
-            increase.append([0.0] * domains)
-        elif c in measured:
-            increase.append([max(x, 0.0) for x in measured[c]])
-        else:
-            scale = errors[c] / errors[ref] if errors[ref] > 0 else 0.0
-            increase.append([max(x, 0.0) * scale for x in measured[ref]])
-    scaled = {c: [max(x, 0.0) * (errors[c] / errors[ref] if errors[ref] > 0 else 0.0) for x in measured[ref]]
-              for c in measured if c != ref}
+    def scaled(c: int) -> list[float]:  # the reference's increase, scaled by candidate c's output error
+        return [max(x, 0.0) * (errors[c] / errors[ref] if errors[ref] > 0 else 0.0) for x in measured[ref]]
+
+    increase = [[0.0] * len(sample.domains) if spec is None
+                else [max(x, 0.0) for x in measured[c]] if c in measured else scaled(c)
+                for c, spec in enumerate(specs)]
     return {"errors": errors, "reference": ref, "increase": increase,
-            "checked": {str(c): {"measured": measured[c], "scaled": scaled[c]} for c in scaled}}
+            "checked": {str(c): {"measured": measured[c], "scaled": scaled(c)} for c in measured if c != ref}}
 
 
 def _chosen_recipe(raw: dict, method: str, mix: dict[str, object]) -> dict:
-    """The recipe as written, its weight stage at the mix's most common grid (by Linears' weights) and an override
-    per other grid naming its Linears."""
+    """The recipe as written, its weight stage at the grid most Linears take, and an override per other grid naming
+    its Linears."""
     counts: dict[object, int] = {}
     for spec in mix.values():
         counts[spec] = counts.get(spec, 0) + 1
