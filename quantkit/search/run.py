@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import yaml
 from pydantic import ValidationError, create_model
+from scipy.stats import spearmanr
 
 from .. import runtime
 from ..errors import QuantkitError
@@ -286,12 +287,7 @@ def _agreement(measured: list[dict]) -> dict:
         return {"pairs": 0}
     s, m = np.array(pairs).T
     return {"pairs": len(pairs), "median_ratio_scaled_to_measured": float(np.median(s / m)),
-            "spearman": float(_spearman(s, m)) if len(pairs) > 2 else None}
-
-
-def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    ra, rb = a.argsort().argsort(), b.argsort().argsort()
-    return float(np.corrcoef(ra, rb)[0, 1])
+            "spearman": float(spearmanr(s, m).statistic) if len(pairs) > 2 else None}
 
 
 def _layers_table(body: dict) -> str:
