@@ -108,9 +108,9 @@ class _StageBase(_Strict):
 
     @property
     def calibrated(self) -> bool:
-        """Reads calibration data: its method does, or it calibrates static input scales (the FP8 preset)."""
+        """Reads calibration data: its method does, or it calibrates static input scales (FP8, NVFP4)."""
         act = getattr(self.args, "activations", None)
-        return self.method.calibrated or (act is not None and not act.dynamic)
+        return self.method.calibrated or (act is not None and act.calibrated)
 
     @property
     def weights(self) -> WeightQuant:

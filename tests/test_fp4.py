@@ -175,9 +175,9 @@ def test_artifact_loads_in_quantkit_and_transformers(stage, preset, bound, tiny_
      "stages.0.gptq.type: fp4 weights cannot be stored in awq (it stores int)"),
     ("rtn: {scheme: NVFP4A16, group_size: 32}", ("compressed-tensors",),
      "stages.0.rtn: group_size: NVFP4A16 sets group_size: 16; drop group_size or the scheme"),
-    ("rtn: {scheme: NVFP4}", ("compressed-tensors",),
-     "stages.0.rtn.scheme: unknown preset 'NVFP4' (known: W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8, "
-     "FP8_BLOCK, W4AFP8, NVFP4A16, MXFP4A16, MXFP8A16, MXFP8) (got 'NVFP4')"),
+    ("rtn: {scheme: NVFP8}", ("compressed-tensors",),
+     "stages.0.rtn.scheme: unknown preset 'NVFP8' (known: W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8, "
+     "FP8_BLOCK, W4AFP8, NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP8A16, MXFP8) (got 'NVFP8')"),
     ("rtn: {type: fp4, group_size: 64}", ("compressed-tensors",),
      "stages.0.rtn: group_size: fp4 weights need group_size: 16 (NVFP4A16) or 32 (MXFP4A16), got 64"),
     ("awq: {bits: 4, group_size: 32}\n  - gptq: {scheme: MXFP4A16}", ("compressed-tensors",),

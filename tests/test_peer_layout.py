@@ -31,6 +31,8 @@ STAGES = {
     "FP8_BLOCK": ("{scheme: FP8_BLOCK}", ""),
     "NVFP4A16": ("{scheme: NVFP4A16}", ""),
     "MXFP4A16": ("{scheme: MXFP4A16}", ""),
+    "NVFP4": ("{scheme: NVFP4}", ""),
+    "MXFP4": ("{scheme: MXFP4}", ""),
     "W4AFP8": ("{scheme: W4AFP8}", ""),
     "MXFP8": ("{scheme: MXFP8}", ""),
     "MXFP8A16": ("{scheme: MXFP8A16}", ""),

@@ -331,7 +331,8 @@ def test_bench_in_vllm_refuses_what_it_cannot_serve_before_starting(tmp_path):
                               f"checkpoint); {tmp_path} is not one")
 
 
-@pytest.mark.parametrize("stage", ["rtn: {scheme: NVFP4A16}", "rtn: {scheme: MXFP4A16}"])
+@pytest.mark.parametrize("stage", ["rtn: {scheme: NVFP4A16}", "rtn: {scheme: MXFP4A16}", "rtn: {scheme: NVFP4}",
+                                   "rtn: {scheme: MXFP4}"])
 def test_fp4_artifacts_are_refused_before_vllm_loads_them(stage, tiny_factory, tmp_path):
     """vLLM's CPU build has no FP4 kernel: the engine refuses the artifact in one line, before its worker reads it."""
     artifact = quantize(tiny_factory("llama"), tmp_path / "fp4", stage, "compressed-tensors")

@@ -87,6 +87,9 @@ class Fp4Weight(QuantizedTensor):
     scale: torch.Tensor  # [out, groups]: float8_e4m3fn (NVFP4) | uint8 e8m0 exponents (MXFP4)
     spec: Fp4Spec
     global_scale: torch.Tensor | None = None  # float32 [1] (NVFP4)
+    # float32 [1]: the static input scale of NVFP4 with quantized inputs, its inputs' global scale (compressed-tensors'
+    # input_global_scale), calibrated from the data
+    input_scale: torch.Tensor | None = None
 
     @property
     def scheme(self) -> Scheme:
@@ -97,15 +100,17 @@ class Fp4Weight(QuantizedTensor):
         return tuple(self.codes.shape)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        t = {"codes": self.codes, "scale": self.scale}
-        return t if self.global_scale is None else t | {"global_scale": self.global_scale}
+        t = {"codes": self.codes, "scale": self.scale, "global_scale": self.global_scale,
+             "input_scale": self.input_scale}
+        return {k: v for k, v in t.items() if v is not None}
 
     def meta(self) -> dict:
         return {"kind": self.kind, "preset": self.spec.preset}
 
     @classmethod
     def restore(cls, tensors: dict[str, torch.Tensor], meta: dict) -> Fp4Weight:
-        return cls(tensors["codes"], tensors["scale"], SPECS[meta["preset"]], tensors.get("global_scale"))
+        return cls(tensors["codes"], tensors["scale"], SPECS[meta["preset"]], tensors.get("global_scale"),
+                   tensors.get("input_scale"))
 
     def effective_scale(self, rows: slice = slice(None)) -> torch.Tensor:
         """float32 [rows, groups]: what a code's value is multiplied by (compressed-tensors' scale / global_scale)."""
@@ -211,6 +216,14 @@ def codes_of(values: torch.Tensor) -> torch.Tensor:
     """uint8 codes of e2m1 values (the sign bit of -0 kept, as pack_fp4_to_uint8 keeps it)."""
     twice = (values.abs() * 2).to(torch.int64)
     return _INDEX_OF_TWICE.to(values.device)[twice] | (torch.signbit(values).to(torch.uint8) << 3)
+
+
+def fake_quantize_inputs(x: torch.Tensor, group: int, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """x with each token's groups of `group` columns e2m1-quantized and dequantized as compressed-tensors'
+    forward_quantize does NVFP4's (dynamic local scales over the static global scale) and MXFP4's (dynamic) input:
+    the same calculate_qparams of each group's min and max as a weight's (tests/test_fp4_inputs.py)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return fp4_rtn(flat, spec_for(group), global_scale).dequantize(x.dtype).reshape(x.shape)
 
 
 def fp4_rtn(weight: torch.Tensor, spec: Fp4Spec, global_scale: torch.Tensor | None = None) -> Fp4Weight:

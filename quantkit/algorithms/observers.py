@@ -1,4 +1,5 @@
-"""Observers of a Linear's input over the calibration windows: the static FP8 input scale (the FP8 preset).
+"""Observers of a Linear's input over the calibration windows: the static FP8 input scale (the FP8 preset), and
+NVFP4's input global scale (its inputs' e4m3 group scales are made over it at run time).
 
 Each observer keeps statistics that ranks combine exactly, so N processes give the bytes of one: the largest |x|
 (reduced by max) and a histogram of |x| on fixed log-spaced bins (reduced by sum; float64 counts are exact).
@@ -7,11 +8,14 @@ The scale is then chosen from them:
   mse         the clip c = max|x|·(1 - i/100), i < 20, of least squared FP8 error over the histogram, each bin at
               its geometric centre (llm-compressor's mse observer searches the same shrink grid, per batch)
   percentile  the 99.99th percentile of |x| (the upper edge of its bin, at most max|x|)
+NVFP4's global scale is compressed-tensors' generate_gparam of the clip: 448 · 6 / clip (minmax: llm-compressor's
+static_minmax observer; mse is refused for it, its error model being FP8's).
 """
 
 from __future__ import annotations
 
 import torch
+from compressed_tensors.quantization.utils.helpers import generate_gparam
 
 from .fp8 import FP8_DTYPE, FP8_MAX
 
@@ -41,11 +45,13 @@ class InputObserver:
         if self.hist is not None:
             ranks.all_reduce(self.hist, "sum")
 
-    def scale(self) -> torch.Tensor:
-        """float32 [1]: the input scale, clip / 448 (an input never seen: the scale dtype's eps, as compressed-tensors
-        replaces a zero scale)."""
+    def scale(self, kind: str = "fp8") -> torch.Tensor:
+        """float32 [1]: the static input scale of an input kind: fp8's clip / 448 (an input never seen: the scale
+        dtype's eps, as compressed-tensors replaces a zero scale), fp4's (NVFP4's) global scale."""
         amax = float(self.amax)
         clip = amax if self.kind == "minmax" else (self._mse(amax) if self.kind == "mse" else self._percentile(amax))
+        if kind == "fp4":
+            return generate_gparam(torch.tensor([-clip]), torch.tensor([clip]))
         scale = torch.tensor([clip], dtype=torch.float32) / FP8_MAX
         return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
 

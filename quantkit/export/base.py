@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,7 +24,7 @@ class QuantInfo:
     unquantized_linears: list[str] = field(default_factory=list)  # full names of Linear layers left float
     block_linears_prefix: str = "model.layers"  # where the decoder blocks live
     # None: weight-only; int8 | fp8: W8A8 (W4AFP8 with int4 weights), activations quantized per token at run time;
-    # mxfp8: MXFP8's, per token and group of 32 columns
+    # mxfp8: MXFP8's, per token and group of 32 columns; fp4: NVFP4's / MXFP4's, per token and group of act_group
     activations: str | None = None
     block: tuple[int, int] | None = None  # FP8 weights: one scale per [rows, cols] block
     per_tensor: bool = False  # FP8 weights: one scale per weight
@@ -42,6 +42,12 @@ class QuantInfo:
         return self.overrides.get(name, self.spec)
 
     @property
+    def calibrated_inputs(self) -> bool:
+        """Each Linear keeps a static input scale calibrated from the data: FP8's (strategy tensor), or NVFP4's
+        input global scale."""
+        return self.act_strategy == "tensor" or (self.activations == "fp4" and self.spec.global_scale)
+
+    @property
     def scheme(self) -> Scheme:
         return scheme_of(self.spec, self.activations, self.block, self.act_strategy, self.act_group)
 
@@ -57,8 +63,9 @@ def scheme_of(spec: GridSpec | Fp4Spec | Mxfp8Spec, activations: str | None, blo
               act_strategy: str = "token", act_group: int | None = None) -> Scheme:
     """The Scheme of a recipe's weight stage: its int grid, FP8 weights with FP8 activations (W8A8 fp8), int4 weights
     with FP8 activations (W4AFP8), an FP4 preset's grid, or MXFP8's (with MX activations or none)."""
-    if isinstance(spec, Fp4Spec):
-        return spec.scheme
+    if isinstance(spec, Fp4Spec):  # NVFP4 / MXFP4 inputs: the weights' grid, per token
+        act = None if activations is None else ActivationScheme("fp4", 4, strategy="group", group_size=spec.group_size)
+        return replace(spec.scheme, activations=act)
     if isinstance(spec, Mxfp8Spec):
         return spec.scheme(activations is not None)
     if activations is None:

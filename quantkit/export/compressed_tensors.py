@@ -18,7 +18,7 @@ symmetric, static, strategy tensor | attn_head) in the quantization_config, as l
   <a>.k_scale, <a>.v_scale  float32 [1] (tensor) | [kv_heads, 1, 1] (attn_head)
   (llm-compressor keeps them in the model's dtype; vLLM reads them into float32 either way, and float32 keeps
   amax / 448 exact.)
-`nvfp4-pack-quantized` / `mxfp4-pack-quantized` (NVFP4A16 / MXFP4A16): export/ct_fp4.py.
+`nvfp4-pack-quantized` / `mxfp4-pack-quantized` (NVFP4A16 / MXFP4A16, NVFP4 / MXFP4): export/ct_fp4.py.
 `mxfp8-quantized` (MXFP8A16 / MXFP8): export/ct_mxfp8.py.
 The quantization_config is produced by compressed-tensors' own pydantic classes.
 """
@@ -45,8 +45,7 @@ MARKERS |= {fmt: "weight_packed" for fmt in ct_fp4.PRESET}  # FP4: export/ct_fp4
 MARKERS[ct_mxfp8.FORMAT] = "weight_scale"  # MXFP8: export/ct_mxfp8.py
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
-# the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
-STATIC_OBSERVERS = {"minmax": "static_minmax", "mse": "mse", "percentile": "percentile"}
+STATIC_OBSERVERS = ct_fp4.STATIC_OBSERVERS
 KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}  # QuantInfo.kv_cache -> kv_cache_scheme.strategy
 
 
@@ -251,11 +250,11 @@ def encode(qweights: dict[str, QuantizedTensor], info: QuantInfo, scale_dtype: t
     if info.scheme.kind == "mxfp8":
         tensors, scheme = ct_mxfp8.encode(qweights, info)
         return Encoded(tensors, _config(scheme, info, scheme.format))
-    if info.activations is not None:
-        return encode_w8a8(qweights, info, scale_dtype)
     if info.scheme.kind == "fp4":
         tensors, scheme = ct_fp4.encode(qweights, info)
         return Encoded(tensors, _config(scheme, info, scheme.format))
+    if info.activations is not None:
+        return encode_w8a8(qweights, info, scale_dtype)
     tensors = {
         f"{name}.{suffix}": t
         for name, qw in qweights.items()
@@ -385,15 +384,16 @@ class CompressedTensors(Format):
         fmt = format_of(qcfg)
         if fmt == INT and int_grid(qcfg).bits == 4:
             return "fp8"  # W4AFP8
-        if fmt == ct_mxfp8.FORMAT:  # MXFP8 with its inputs quantized, or MXFP8A16
+        if fmt == ct_mxfp8.FORMAT or fmt in ct_fp4.PRESET:  # inputs quantized (MXFP8, NVFP4, MXFP4) or not
             groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
-            return "mxfp8" if groups and groups[0].get("input_activations") else None
+            quantized = groups and groups[0].get("input_activations")
+            return ("mxfp8" if fmt == ct_mxfp8.FORMAT else "fp4") if quantized else None
         return {v: k for k, v in W8A8_FORMATS.items()}.get(fmt)
 
     def input_group(self, qcfg: dict) -> int | None:
         groups = [g for g in qcfg.get("config_groups", {}).values() if isinstance(g, dict)]
         act = (groups[0].get("input_activations") or {}) if groups else {}
-        return int(act["group_size"]) if act.get("strategy") == "group" else None
+        return int(act["group_size"]) if act.get("strategy") in ("group", "tensor_group") else None
 
     def weight_only_int(self, qcfg: dict) -> bool:
         """Groups of integer weights whose inputs stay unquantized."""

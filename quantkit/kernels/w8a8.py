@@ -8,7 +8,8 @@ The arithmetic vLLM runs for compressed-tensors int-quantized / float-quantized 
         operands to float32 and multiplies them. A static input scale (the FP8 preset) replaces the token scales;
         FP8_BLOCK's layer takes a scale per group of columns of each token and per weight block (emulated).
 W4AFP8: int4 weights (a scale per group) with FP8 inputs per token, emulated in float32 (W4Fp8Linear); MXFP8:
-e4m3 weights and inputs with power-of-two scales per 32 columns, emulated in float32 (Mxfp8Linear).
+e4m3 weights and inputs with power-of-two scales per 32 columns, emulated in float32 (Mxfp8Linear); NVFP4 / MXFP4:
+e2m1 weights and inputs, emulated in float32 (Fp4Linear).
 Each layer records in `path` which matmul its last forward ran.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..algorithms.fp4 import Fp4Weight
+from ..algorithms.fp4 import fake_quantize_inputs as fake_quantize_fp4
 from ..algorithms.fp8 import FP8_DTYPE, FP8_MAX, Fp8BlockWeight, Fp8Weight, fp8_quantize
 from ..algorithms.grid import INT8_CHANNEL, QuantizedWeight
 from ..algorithms.mxfp8 import Mxfp8Weight, fake_quantize_mx
@@ -69,9 +72,12 @@ def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
 def fake_quantize_input(x: torch.Tensor, kind: str, group: int | None = None,
                         scale: torch.Tensor | None = None) -> torch.Tensor:
     """fake_quantize_tokens, per group of `group` columns (FP8_BLOCK) or on a static scale (the FP8 preset); MXFP8's
-    (kind mxfp8) per group of 32 columns with power-of-two scales."""
+    (kind mxfp8) per group of 32 columns with power-of-two scales; NVFP4's and MXFP4's (kind fp4) per group of
+    `group` columns, NVFP4's over its static global scale."""
     if kind == "mxfp8":
         return fake_quantize_mx(x)
+    if kind == "fp4":
+        return fake_quantize_fp4(x, group, scale)
     if group is None and scale is None:
         return fake_quantize_tokens(x, kind)
     flat = x.reshape(-1, x.shape[-1])
@@ -257,6 +263,30 @@ class W4Fp8Linear(nn.Module):
         return out.to(x.dtype).reshape(*lead, -1)
 
 
+class Fp4Linear(nn.Module):
+    """NVFP4 / MXFP4 with quantized inputs (W4A4): e2m1 weights, inputs e2m1-quantized per token and group at run
+    time as compressed-tensors' forward_quantize does (NVFP4: over the calibrated input global scale); emulated in
+    float32 (FP4 GEMMs are Blackwell kernels)."""
+
+    def __init__(self, qw: Fp4Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        if qw.spec.global_scale and qw.input_scale is None:
+            raise QuantkitError("input_global_scale: NVFP4 with quantized inputs needs each Linear's input global "
+                                "scale")
+        self.register_buffer("weight", qw.dequantize(torch.float32))
+        self.group, self.input_scale = qw.spec.group_size, qw.input_scale
+        self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.path: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fake_quantize_fp4(x, self.group, self.input_scale).float() @ self.weight.t()
+        self.path = "emulated"
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
+
+
 class Mxfp8Linear(nn.Module):
     """MXFP8: e4m3 weights with a power-of-two scale per 32 columns, inputs quantized the same way per token and
     group of 32 columns at run time (compressed-tensors' dynamic MX input quantization); emulated in float32 (vLLM's
@@ -289,6 +319,8 @@ def w8a8_layer(qw: QuantizedTensor, bias: torch.Tensor | None, group: int | None
         return W4Fp8Linear(qw, bias)
     if isinstance(qw, Mxfp8Weight):
         return Mxfp8Linear(qw, bias)
+    if isinstance(qw, Fp4Weight):
+        return Fp4Linear(qw, bias)
     return LAYERS[qw.scheme.kind].from_weights(qw, bias)
 
 

@@ -49,8 +49,10 @@ class Activations(OmitDefaults):
     static scale per Linear calibrated from the calibration windows (FP8 only)."""
 
     _omit = ("group_size", "observer")
-    bits: Literal[8] = 8
-    type: Literal["int", "float", "mxfp8"] = "int"  # float: FP8 e4m3; mxfp8: e4m3 with e8m0 scales per 32 columns
+    bits: Literal[4, 8] = 8  # 4: fp4 inputs only
+    # float: FP8 e4m3; mxfp8: e4m3 with e8m0 scales per 32 columns; fp4: e2m1 per group of 16 (NVFP4: e4m3 scales over a
+    # static global scale calibrated like a static FP8 one) or 32 (MXFP4: e8m0 scales)
+    type: Literal["int", "float", "mxfp8", "fp4"] = "int"
     dynamic: bool = True  # false: one static input scale per Linear (strategy: tensor)
     strategy: Literal["token", "group", "tensor"] = "token"
     group_size: int | None = Field(None, ge=1)  # strategy: group: columns per scale
@@ -61,6 +63,11 @@ class Activations(OmitDefaults):
     @property
     def kind(self) -> str:
         return {"int": "int8", "float": "fp8"}.get(self.type, self.type)
+
+    @property
+    def calibrated(self) -> bool:
+        """A static scale per Linear comes from the calibration data: FP8's (dynamic: false), NVFP4's global."""
+        return not self.dynamic or (self.type == "fp4" and self.group_size == 16)
 
 
 Positive = Annotated[int, Field(ge=1)]
@@ -110,16 +117,27 @@ class WeightQuant(OmitDefaults):
         if self.observer != "minmax":
             raise error("observer: fp4 group scales are compressed-tensors' min-max ones; drop observer: {o}",
                         o=self.observer)
-        if self.activations is not None:
-            raise error("activations: fp4 weights are written weight-only (NVFP4A16, MXFP4A16); drop activations")
+        act = self.activations
+        preset = "NVFP4" if self.group_size == 16 else "MXFP4"
+        if act is not None and (act.type, act.bits, act.strategy, act.group_size, act.dynamic) != (
+                "fp4", 4, "group", self.group_size, True):
+            raise error("activations: fp4 weights take no inputs or {preset}'s (type: fp4, bits: 4, strategy: group, "
+                        "group_size: {g}, dynamic: true)", preset=preset, g=self.group_size)
+        if act is not None and act.observer == "mse":  # observers.py's mse clip weighs FP8 error, not FP4's
+            raise error("activations.observer: {preset}'s input global scale is calibrated by minmax or percentile, "
+                        "got mse", preset=preset)
         return self
 
     @model_validator(mode="after")
     def _mxfp8(self) -> "WeightQuant":
         act = self.activations
         if self.type != "mxfp8":
-            if act is not None and act.type == "mxfp8":
-                raise error("activations.type: mxfp8 inputs go with mxfp8 weights (MXFP8), got type: {t}", t=self.type)
+            for kind, preset in (("mxfp8", "MXFP8"), ("fp4", "NVFP4, MXFP4")):
+                if act is not None and act.type == kind and self.type != kind:
+                    raise error("activations.type: {k} inputs go with {k} weights ({p}), got type: {t}", k=kind,
+                                p=preset, t=self.type)
+            if act is not None and (act.bits == 4) != (act.type == "fp4"):
+                raise error("activations.bits: 4-bit inputs are fp4 (NVFP4, MXFP4), other types 8-bit")
             return self
         for key, want in (("bits", 8), ("group_size", 32), ("sym", True), ("observer", "minmax")):
             if getattr(self, key) != want:
@@ -170,7 +188,7 @@ def check_weight_args(args: WeightQuant, path: str, rounds_float: bool) -> None:
         for key in ("block", "per_tensor"):
             if getattr(args, key):
                 raise error("{path}.{key}: FP8 weights only (type: float)", path=path, key=key)
-    if act is None or args.type == "mxfp8":  # MXFP8's inputs: WeightQuant._mxfp8
+    if act is None or args.type in ("mxfp8", "fp4"):  # their inputs: WeightQuant._mxfp8 / _fp4
         return
     if args.type == "int" and act.type == "float" and args.bits != 8:  # W4AFP8 (int8 weights: W8A8's rules)
         _check_w4afp8(args, path)
@@ -215,5 +233,7 @@ def activation_label(args: WeightQuant) -> str:
     """How messages name a weight stage with quantized inputs."""
     if args.type == "mxfp8":
         return "MXFP8 (MX activations)"
+    if args.type == "fp4":
+        return f"{'NVFP4' if args.group_size == 16 else 'MXFP4'} (FP4 activations)"
     w4afp8 = args.type == "int" and args.activations.type == "float" and args.bits != 8
     return "W4AFP8 (FP8 activations)" if w4afp8 else "W8A8 (activations)"

@@ -13,6 +13,8 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 _FP8 = {"bits": 8, "group_size": -1, "sym": True, "type": "float"}
+_NV4 = {"type": "fp4", "bits": 4, "group_size": 16, "sym": True}
+_MX4 = {"type": "fp4", "bits": 4, "group_size": 32, "sym": True}
 _MX8 = {"type": "mxfp8", "bits": 8, "group_size": 32, "sym": True}
 
 SUPPORTED: dict[str, dict[str, Any]] = {
@@ -30,15 +32,20 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     # int4 weights per group of 128 columns, FP8 inputs per token at run time
     "W4AFP8": {"bits": 4, "group_size": 128, "sym": True, "activations": {"type": "float"}},
     # e2m1 values, float8_e4m3 scales per 16 columns over a float32 global scale; weight-only
-    "NVFP4A16": {"type": "fp4", "bits": 4, "group_size": 16, "sym": True},
+    "NVFP4A16": _NV4,
+    # the same weights, inputs e2m1 per token and group of 16 columns at run time, their e4m3 scales over one static
+    # global scale per Linear calibrated from the data
+    "NVFP4": _NV4 | {"activations": {"type": "fp4", "bits": 4, "strategy": "group", "group_size": 16}},
     # e2m1 values, power-of-two (e8m0) scales per 32 columns; weight-only
-    "MXFP4A16": {"type": "fp4", "bits": 4, "group_size": 32, "sym": True},
+    "MXFP4A16": _MX4,
+    # the same weights, inputs quantized the same way per token and group of 32 columns at run time
+    "MXFP4": _MX4 | {"activations": {"type": "fp4", "bits": 4, "strategy": "group", "group_size": 32}},
     # e4m3 values, power-of-two (e8m0) scales per 32 columns; weight-only
     "MXFP8A16": _MX8,
     # the same weights, inputs quantized the same way per token and group of 32 columns at run time
     "MXFP8": _MX8 | {"activations": {"type": "mxfp8", "strategy": "group", "group_size": 32}},
 }
-FIXED = {"NVFP4A16", "MXFP4A16", "MXFP8A16", "MXFP8"}  # presets whose fields are the format itself
+FIXED = {"NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"}  # presets whose fields are the format itself
 
 
 def expand(data: Any) -> Any:
@@ -51,8 +58,8 @@ def expand(data: Any) -> Any:
         return data
     name = data["scheme"].upper()
     if name in FIXED:
-        for key, value in preset.items():
-            if key in data and data[key] != value:
+        for key, value in preset.items():  # activations merge below (an observer may be chosen); validators check
+            if key != "activations" and key in data and data[key] != value:
                 raise PydanticCustomError("preset", "{key}: {name} sets {key}: {value}; drop {key} or the scheme",
                                           {"key": key, "name": name,
                                            "value": str(value).lower() if isinstance(value, bool) else value})

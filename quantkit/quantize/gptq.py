@@ -103,7 +103,7 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
             del seen_inputs[c][gone]  # its quantized copy (the attention's, through the MLP)
         check_hidden_finite(x, f"entering {name}")  # else the Hessian is inf/NaN and GPTQ blames its damping
         # W8A8: the Linear will read x quantized per token, so GPTQ weighs the error by that input
-        xq = x if act is None else fake_quantize_input(x, act, result.info.act_group)
+        xq = x if act is None else fake_quantize_input(x, act, result.info.act_group, result.input_scales.get(name))
         arrived[c] = xq
         if parking.worth_it(module.in_features, xq.device):  # until this micro-batch's Linear runs, with the
             earlier = [t for ref, q, _ in seen_inputs[c].values() for t in (ref(), q) if t is not None]  # inputs
@@ -120,7 +120,8 @@ def one_forward(run, hidden, names: dict[nn.Linear, str], args: WeightQuant, res
     def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
         name, x = names[module], inputs[0]
         if moe.replaying(module):  # an expert's routed call: its tokens were all counted in the first call
-            return None if act is None else (fake_quantize_input(x, act, result.info.act_group), *inputs[1:])
+            return None if act is None else (
+                fake_quantize_input(x, act, result.info.act_group, result.input_scales.get(name)), *inputs[1:])
         if parked_weights.holds(module.weight):  # a quantized Linear called again
             parked_weights.restore()
         try:
@@ -299,7 +300,8 @@ def waves(run, hidden: HiddenStates, names: dict[nn.Linear, str], args: WeightQu
 
         def pre_hook(module: nn.Linear, inputs: tuple) -> tuple | None:
             name, x = names[module], inputs[0]
-            xq = x if act is None else fake_quantize_input(x, act, result.info.act_group)
+            xq = x if act is None else fake_quantize_input(x, act, result.info.act_group,
+                                                           result.input_scales.get(name))
             passthrough = None if act is None else (xq, *inputs[1:])
             if moe.replaying(module) or name in result.qweights:
                 return passthrough

@@ -236,6 +236,9 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                     report.warn(warning)
         handles, inline_warnings = inline.inline(i, block) if inline else ([], list)
         try:
+            if stage.method.solves and result.info.calibrated_inputs:  # NVFP4: GPTQ's Hessian weighs inputs
+                with report.timed("observe"):  # quantized on their global scale, observed on the float block
+                    _observe_inputs(in_micro_batches(run), hidden, names, stage, result, ranks)
             if stage.method.solves and hidden.one_batch:
                 # in step only where every micro-batch calls the same Linears (no experts) and no smoothing folds
                 # a scale inside the forward
@@ -252,7 +255,7 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                                      moe_args)
                 else:
                     _round_weights(names, stage, result, report)
-                    if result.info.act_strategy == "tensor":
+                    if result.info.calibrated_inputs:
                         with report.timed("observe"):
                             _observe_inputs(in_micro_batches(run), hidden, names, stage, result, ranks)
                 handles = [*handles, *observing(i, block)]
@@ -263,6 +266,9 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
                 handle.remove()
         for warning in inline_warnings():
             report.warn(warning)
+        for name in names.values():  # the static input scales go with the weights (checkpoint, export)
+            if name in result.input_scales:
+                result.qweights[name] = replace(result.qweights[name], input_scale=result.input_scales.pop(name))
         for o in observers:
             o.close(f"{prefix}.{i}.", ranks)
         block.to("cpu")
@@ -297,7 +303,8 @@ def _round_weights(names: dict[nn.Linear, str], stage: Stage, result: QuantResul
 def _observe_inputs(run, hidden: HiddenStates, names: dict[nn.Linear, str], stage: Stage, result: QuantResult,
                     ranks: Ranks) -> None:
     """Each Linear's static input scale, from its inputs over every window of every rank (the block's weights
-    rounded, its inputs not yet quantized), stored with its quantized weight."""
+    rounded, or float before GPTQ; its inputs not yet quantized), in result.input_scales until its quantized weight
+    keeps it."""
     observers = {m: InputObserver(stage.weights.activations.observer) for m in names}
     # an expert's second, routed call re-reads tokens its all-experts call counted (moe.replaying)
     def observe(m: nn.Module, inputs: tuple) -> None:
@@ -313,7 +320,7 @@ def _observe_inputs(run, hidden: HiddenStates, names: dict[nn.Linear, str], stag
             handle.remove()
     for m, name in names.items():
         observers[m].reduce(ranks)
-        result.qweights[name] = replace(result.qweights[name], input_scale=observers[m].scale())
+        result.input_scales[name] = observers[m].scale(result.info.activations)
 
 
 def _act_quant_hooks(run, names: dict[nn.Linear, str], result: QuantResult):
@@ -322,7 +329,7 @@ def _act_quant_hooks(run, names: dict[nn.Linear, str], result: QuantResult):
     info = result.info
 
     def quantizer(name: str):
-        scale = getattr(result.qweights[name], "input_scale", None)
+        scale = result.input_scales.get(name)
         return lambda _, inputs: (fake_quantize_input(inputs[0], info.activations, info.act_group, scale),
                                   *inputs[1:])
 

@@ -30,6 +30,7 @@ class QuantResult:
     tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens each GPTQ Hessian summed
     timings: dict[str, float] = field(default_factory=dict)
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the observers' (KV cache scales), by name
+    input_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # a block's static input scales, by Linear
 
 
 def plan(
