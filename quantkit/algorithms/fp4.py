@@ -221,9 +221,12 @@ def codes_of(values: torch.Tensor) -> torch.Tensor:
 def fake_quantize_inputs(x: torch.Tensor, group: int, global_scale: torch.Tensor | None) -> torch.Tensor:
     """x with each token's groups of `group` columns e2m1-quantized and dequantized as compressed-tensors'
     forward_quantize does NVFP4's (dynamic local scales over the static global scale) and MXFP4's (dynamic) input:
-    the same calculate_qparams of each group's min and max as a weight's (tests/test_fp4_inputs.py)."""
-    flat = x.reshape(-1, x.shape[-1])
-    return fp4_rtn(flat, spec_for(group), global_scale).dequantize(x.dtype).reshape(x.shape)
+    the same calculate_qparams of each group's min and max as a weight's (tests/test_fp4_inputs.py). fp4_rtn's
+    values times their scale, without its codes (half the time)."""
+    spec = spec_for(group)
+    groups = x.reshape(-1, x.shape[-1] // group, group)
+    scale = effective(store(group_scales(groups, spec, global_scale), spec), global_scale)[..., None]
+    return (round_values(groups, scale) * scale).to(x.dtype).reshape(x.shape)
 
 
 def fp4_rtn(weight: torch.Tensor, spec: Fp4Spec, global_scale: torch.Tensor | None = None) -> Fp4Weight:
