@@ -17,6 +17,7 @@ dequantized weights; `kernels.w8a8.swap_w8a8_linears(model, result.qweights)` ma
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -327,11 +328,20 @@ def _act_quant_hooks(run, names: dict[nn.Linear, str], result: QuantResult):
     """The block's forward as the quantized model runs it: W8A8 Linears read their input quantized per token, per
     group of columns, or on their static scale."""
     info = result.info
+    last: dict = {}  # the last input quantized: q/k/v and gate/up read one tensor, on one static scale
 
     def quantizer(name: str):
         scale = result.input_scales.get(name)
-        return lambda _, inputs: (fake_quantize_input(inputs[0], info.activations, info.act_group, scale),
-                                  *inputs[1:])
+
+        def hook(_, inputs: tuple) -> tuple:
+            x = inputs[0]
+            same = last and last["x"]() is x and (scale is None) == (last["scale"] is None) and (
+                scale is None or torch.equal(scale, last["scale"]))
+            if not same:
+                last.update(x=weakref.ref(x), scale=scale,
+                            xq=fake_quantize_input(x, info.activations, info.act_group, scale))
+            return (last["xq"], *inputs[1:])
+        return hook
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         handles = [] if info.activations is None else [
@@ -339,6 +349,7 @@ def _act_quant_hooks(run, names: dict[nn.Linear, str], result: QuantResult):
         try:
             return run(x)
         finally:
+            last.clear()
             for handle in handles:
                 handle.remove()
 
