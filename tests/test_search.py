@@ -43,12 +43,12 @@ def test_budget_below_the_cheapest_mix_is_one_line():
 
 def _search_recipe(path, model, out, budget: str = "{same_bytes_as: {bits: 4, group_size: 32}}",
                    candidates: str = "[{bits: 4, group_size: -1}, {bits: 4, group_size: 32}, {bits: 8, group_size: -1}, "
-                                     "unquantized]"):
+                                     "unquantized]", export_dtype: str = "auto"):
     path.write_text(
         f"model: {model}\ndtype: float32\n"
         "calibration: {dataset: mixture, num_samples: 16, seq_len: 64, seed: 0}\n"
         "stages:\n  - gptq: {bits: 4, group_size: 32, sym: true, act_order: true}\n"
-        f"export: {{output: {out}, formats: [compressed-tensors]}}\n"
+        f"export: {{output: {out}, formats: [compressed-tensors], dtype: {export_dtype}}}\n"
         f"search:\n  candidates: {candidates}\n  budget: {budget}\n"
         "  domains: [wikitext2, code, chat]\n  tokens: 128\n  seq_len: 64\n  checks: 2\n")
     return path
@@ -149,3 +149,34 @@ def test_card_lists_the_per_layer_grids():
     assert "| bits 8 | mlp.experts.*.down_proj (1, 2) |" in card._mix(experts)  # one row for a layer's experts
     assert card._mix(parse_recipe({"model": "x", "stages": [{"rtn": {"bits": 4, "group_size": 64}}],
                                    "export": {"output": "o"}})) == []
+
+
+def test_a_decode_speedup_budget_holds_by_the_roofline(tiny_llama, tmp_path, monkeypatch, capsys):
+    """decode_speedup: the written artifact's bytes read per token (all but an untied input embedding table; the
+    tiny llama ties it to lm_head) are at most the 16-bit original's over the target, search.json says the number is a roofline estimate; a target no mix
+    reaches is one line."""
+    from conftest import run_cli
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    table = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is table  # tied: lm_head reads the whole table every step
+    original = 2 * sum(p.numel() for p in model.parameters())  # the tied table counted once
+    out = tmp_path / "out"
+    # the float tensors in bfloat16: the tiny model's embeddings outweigh its Linears
+    recipe = _search_recipe(tmp_path / "r.yaml", tiny_llama, out, "{decode_speedup: 1.6}", export_dtype="bfloat16")
+    assert run_cli(monkeypatch, "search", recipe, "--quiet") == 0
+    body = json.loads((out / "search" / "search.json").read_text())
+    written = sum(f.stat().st_size for f in (out / "compressed-tensors").glob("*.safetensors"))
+    read = written  # every stored byte is read (the table as lm_head)
+    speed = body["decode_speedup"]
+    assert (speed["read_bytes"], speed["original_read_bytes"], speed["target"]) == (read, original, 1.6)
+    assert speed["roofline"] == round(original / read, 3) and original / read >= 1.6
+    assert "not a measurement" in speed["basis"]
+    recipe = _search_recipe(tmp_path / "r2.yaml", tiny_llama, tmp_path / "out2", "{decode_speedup: 40}")
+    capsys.readouterr()
+    assert run_cli(monkeypatch, "search", recipe) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and __import__("re").search(
+        r"search.budget.decode_speedup: 40.0x allows \d+ bytes read per token; the tensors no candidate changes "
+        r"already take \d+", err[0]), err

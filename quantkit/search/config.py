@@ -26,17 +26,21 @@ class Grid(Strict):
 
 class Budget(Strict):
     """Exactly one: the artifact's safetensors bytes (a size or a number), the mean stored bits per weight of the
-    quantized Linears (scales and zeros counted), or the bytes the artifact has with every group at one candidate."""
+    quantized Linears (scales and zeros counted), the bytes the artifact has with every group at one candidate, or
+    a decode speedup over the original served in 16-bit, by the roofline of a memory-bound decode step (the bytes of
+    weights it reads per token; sizes.read_bytes): an estimate, not a measurement."""
 
     weight_bytes: int | str | None = None
     bits_per_weight: float | None = Field(None, gt=0)
     same_bytes_as: Grid | None = None
+    decode_speedup: float | None = Field(None, gt=1)
 
     @model_validator(mode="after")
     def _one(self) -> Budget:
         given = [k for k in type(self).model_fields if getattr(self, k) is not None]
         if len(given) != 1:
-            raise PydanticCustomError("budget", "give exactly one of weight_bytes, bits_per_weight, same_bytes_as")
+            raise PydanticCustomError("budget", "give exactly one of weight_bytes, bits_per_weight, same_bytes_as, "
+                                      "decode_speedup")
         if isinstance(self.weight_bytes, str):
             self.weight_bytes = parse_size(self.weight_bytes)
         elif self.weight_bytes is not None and self.weight_bytes <= 0:

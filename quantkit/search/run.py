@@ -73,7 +73,7 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     cost = np.array([[sum(sizes.linear_bytes(n, targets[n], s, fmt, info, dtype) for n in g) for s in specs]
                      for g in groups], dtype=np.int64)
     fixed = sizes.fixed_bytes(model, set(targets), dtype)
-    budget = _budget(cfg, stage.weights, targets, info, fmt, dtype, fixed, path)
+    budget = _budget(cfg, stage.weights, model, targets, info, fmt, dtype, fixed, path)
     allocate.check_budget(cost, budget)  # before any work
     report.info(f"search: {len(groups)} groups of {len(targets)} Linears x {len(specs)} candidates "
                 f"({', '.join(map(label, specs))}); budget {budget + fixed} bytes")
@@ -117,16 +117,18 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
         "checks": _agreement(measured),
         "timings": report.timings | {"total": round(time.perf_counter() - start, 1)},
         "quantize": {k: summary.get(k) for k in ("timings", "formats") if k in summary},
+        "decode_speedup": _speedup(model, dtype, written, cfg.budget.decode_speedup),
     }
     write_json_atomic(out / "search.json", body)
     write_text_atomic(out / "layers.md", _layers_table(body))
     plots.pareto(body, out / "pareto.png")
     report.info(f"search: measured worst-domain KLD {body['measured']['worst']:.4f} (predicted "
-                f"{chosen.worst:.4f}) at {written} bytes (budget {budget + fixed}); {out}")
+                f"{chosen.worst:.4f}) at {written} bytes (budget {budget + fixed}), decode "
+                f"{body['decode_speedup']['roofline']}x the 16-bit original by the roofline; {out}")
     return body
 
 
-def _budget(cfg: Search, stage_args, targets, info, fmt, dtype, fixed: int, path: str) -> int:
+def _budget(cfg: Search, stage_args, model, targets, info, fmt, dtype, fixed: int, path: str) -> int:
     """Bytes the searched Linears may take together."""
     b = cfg.budget
     if b.weight_bytes is not None:
@@ -136,8 +138,33 @@ def _budget(cfg: Search, stage_args, targets, info, fmt, dtype, fixed: int, path
         return b.weight_bytes - fixed
     if b.bits_per_weight is not None:
         return int(b.bits_per_weight * sum(m.weight.numel() for m in targets.values()) / 8)
+    if b.decode_speedup is not None:  # the artifact's bytes read per token at most the original's / speedup
+        r = roofline(model, dtype)
+        allowed, read_fixed = r["original_read_bytes"] / b.decode_speedup, fixed - r["unread_bytes"]
+        if allowed <= read_fixed:
+            raise QuantkitError(f"{path}: search.budget.decode_speedup: {b.decode_speedup}x allows {int(allowed)} "
+                                f"bytes read per token; the tensors no candidate changes already take {read_fixed}")
+        return int(allowed - read_fixed)
     spec = grid_of(b.same_bytes_as, stage_args, f"{path}: search.budget.same_bytes_as")
     return sum(sizes.linear_bytes(n, m, spec, fmt, info, dtype) for n, m in targets.items())
+
+
+def roofline(model, dtype) -> dict:
+    """A memory-bound decode step's bytes: the original's in 16-bit, and what an artifact stores but does not read."""
+    table = sizes.untied_table(model)
+    return {"original_read_bytes": sizes.read_bytes_16bit(model),
+            "unread_bytes": 0 if table is None else table.numel() * dtype.itemsize}
+
+
+def _speedup(model, dtype, written: int, target: float | None) -> dict:
+    """The artifact's decode speedup over the original in 16-bit by the roofline: bytes read per token."""
+    r = roofline(model, dtype)
+    read = written - r["unread_bytes"]
+    return {"target": target, "roofline": round(r["original_read_bytes"] / read, 3), "read_bytes": read,
+            "original_read_bytes": r["original_read_bytes"],
+            "basis": "roofline: weight bytes a memory-bound decode step reads per token (an untied input embedding "
+                     "table: one row), against the original's in 16-bit; KV cache and kernels not counted; "
+                     "not a measurement"}
 
 
 def _sensitivity(recipe: Recipe, cfg: Search, loaded, prefix: str, blocks, targets, groups, specs, key, out: Path,

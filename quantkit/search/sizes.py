@@ -1,6 +1,7 @@
 """What each Linear costs in the artifact's safetensors files at each candidate: the bytes the format's own encoder
 writes for it (a stand-in weight of zeros encoded, so the table is the format's, not a formula beside it), and the
-bytes of everything no candidate changes (embeddings, norms, Linears left float by the recipe)."""
+bytes of everything no candidate changes (embeddings, norms, Linears left float by the recipe), and the roofline of
+a decode step: the bytes of weights it reads per token."""
 
 from __future__ import annotations
 
@@ -43,3 +44,19 @@ def fixed_bytes(model: nn.Module, searched: set[str], dtype: torch.dtype) -> int
         size = dtype.itemsize if t.is_floating_point() else t.element_size()
         total += t.numel() * size + HEADER_PER_TENSOR + len(name)
     return total
+
+
+
+def untied_table(model: nn.Module) -> torch.Tensor | None:
+    """The input embedding table where it is not the output one: a decode step reads one row of it. Everything
+    else stored is read once per step, which bounds a memory-bound decode (the roofline)."""
+    table = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    return None if out is not None and out.weight is table else table
+
+
+def read_bytes_16bit(model: nn.Module) -> int:
+    """The bytes the original reads per decoded token when served in 16-bit: every parameter but an untied input
+    embedding table, two bytes each."""
+    table = untied_table(model)
+    return 2 * (sum(p.numel() for p in model.parameters()) - (0 if table is None else table.numel()))
