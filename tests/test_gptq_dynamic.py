@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -99,6 +100,22 @@ def test_round_trip_is_bit_exact_and_equals_compressed_tensors(mixed):
         assert torch.equal(w, state[f"{n}.weight"]), n
     with torch.no_grad():
         assert torch.equal(ours(ids()).logits, runtime.load(str(ct), "float32").model(ids()).logits)
+
+
+def test_verify_reads_each_module_with_its_rule(mixed, tmp_path):
+    """A config whose 8-bit down_proj rule is dropped (so the module reads as 4-bit g32) is caught by the layout check,
+    naming that module."""
+    art = tmp_path / "gptq"
+    shutil.copytree(mixed / "gptq", art)
+    layout = next(c for c in verify(art).checks if c.name == "layout")
+    assert layout.ok and layout.detail.startswith("13 quantized modules"), layout.detail
+    config = json.loads((art / "config.json").read_text())
+    del config["quantization_config"]["dynamic"][r"+:^model\.layers\.0\.mlp\.down_proj$"]
+    (art / "config.json").write_text(json.dumps(config))
+    layout = next(c for c in verify(art).checks if c.name == "layout")
+    assert not layout.ok
+    assert layout.detail.startswith("model.layers.0.mlp.down_proj.qweight: int32 [32, 64]; gptq stores int32 "
+                                    "[16, 64]"), layout.detail
 
 
 def test_rules_are_read_as_gptqmodel_and_vllm_read_them():
