@@ -74,8 +74,9 @@ def check(overrides: list[Override], stage: WeightQuant, path: str, rounds_float
                     "of schemes in one artifact is not supported yet)", path=path, kind=kind)
     for fmt in export_formats:
         if not formats.get(fmt).mixed:
-            raise error("export.formats: {fmt} stores one grid; a recipe with overrides is written as "
-                        "compressed-tensors", fmt=fmt)
+            mixed = " or ".join(n for n in formats.names() if formats.get(n).mixed)
+            raise error("export.formats: {fmt} stores one grid; a recipe with overrides is written as {mixed}",
+                        fmt=fmt, mixed=mixed)
     for i, o in enumerate(overrides):
         if o.unquantized:
             continue

@@ -9,7 +9,8 @@ GPTQ (AutoGPTQ / GPTQModel layout)
     (``wf`` shift tables, 3-bit word stitching, ``zeros + 1``).
   - ModelCloud/GPTQModel  gptqmodel/utils/model.py
     (``convert_gptq_v1_to_v2_format_module``: v1 stores zero-1, v2 stores zero),
-    gptqmodel/quantization/config.py (``checkpoint_format`` / ``format`` fields),
+    gptqmodel/quantization/config.py (``checkpoint_format`` / ``format`` fields;
+    ``dynamic_get`` / ``_resolve_dynamic_override``: per-module ``dynamic`` rules),
     and its safetensors dequantizer (``unpack_rows``/``_unpack_rows_3bit``,
     ``_correct_gptq_v1_qzeros``).
 compressed-tensors ``pack-quantized``
@@ -93,16 +94,31 @@ def _unpack_per_word(words, bits, n=None):
 
 
 # --------------------------------------------------------------------------- GPTQ
+def gptq_dynamic(cfg, module):
+    """GPTQModel quantization/config.py ``dynamic_get`` / vLLM gptq_utils.py
+    ``get_dynamic_override``: the first ``dynamic`` rule, in order, whose regex
+    (less its '+:' / '-:') ``re.match``-es the module name (start-anchored
+    only); '-:' leaves the module float (False), '+:' (or none) overrides the
+    top-level keys with its dict; no rule: {}."""
+    for pattern, rule in (cfg.get("dynamic") or {}).items():
+        raw = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
+        if re.match(raw, module):
+            return False if pattern.startswith("-:") else rule
+    return {}
+
+
 def read_gptq(folder):
     cfg = dict(_load_json(folder, "config.json").get("quantization_config") or {})
     cfg.update(_load_json(folder, "quantize_config.json"))
-    bits = int(cfg.get("bits", 4))
-    assert bits in (2, 3, 4, 8), bits
     fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
     v1 = fmt != "gptq_v2"
     tensors = _load_tensors(folder)
     out = {}
     for p in _prefixes(tensors, ".qweight"):
+        rule = gptq_dynamic(cfg, p)
+        assert rule is not False, f"{p} is stored quantized but a '-:' rule leaves it float"
+        bits = int(rule.get("bits", cfg.get("bits", 4)))
+        assert bits in (2, 3, 4, 8), bits
         qweight, qzeros = tensors[p + ".qweight"], tensors[p + ".qzeros"]
         scales = tensors[p + ".scales"].float()
         assert qweight.dtype == torch.int32 and qzeros.dtype == torch.int32
@@ -118,7 +134,7 @@ def read_gptq(folder):
         if p + ".g_idx" in tensors:
             g_idx = tensors[p + ".g_idx"].long()
         else:
-            gs = int(cfg.get("group_size", -1))
+            gs = int(rule.get("group_size", cfg.get("group_size", -1)))
             g_idx = torch.arange(n_in) // (n_in if gs == -1 else gs)
         assert g_idx.shape == (n_in,) and int(g_idx.max()) < scales.shape[0]
         w = scales[g_idx] * (q - z[g_idx]).float()  # [in, out]

@@ -151,9 +151,6 @@ def test_bad_overrides_of_the_model_are_one_line(arch, overrides, line, tiny_fac
     ("rtn: {scheme: FP8_DYNAMIC}", "overrides:\n  - {targets: [mlp], unquantized: true}\n",
      ("compressed-tensors",), "overrides: per-layer overrides change an int weight-only grid; stages.0.rtn is "
      "W8A8 (mixing kinds of schemes in one artifact is not supported yet)"),
-    ("gptq: {bits: 4, group_size: 32}", "overrides:\n  - {targets: [mlp.down_proj], bits: 8}\n",
-     ("gptq", "compressed-tensors"),
-     "export.formats: gptq stores one grid; a recipe with overrides is written as compressed-tensors"),
     ("rtn: {bits: 4, group_size: 32}", "overrides:\n  - {targets: [mlp.down_proj], bits: 3}\n",
      ("compressed-tensors",), "overrides.0.bits: 3 bits cannot be stored in compressed-tensors (it stores 4, 8)"),
     ("rtn: {bits: 4, group_size: 32}", "overrides:\n  - {targets: [mlp], layers: \"3-1\", bits: 8}\n",

@@ -175,13 +175,18 @@ def weight_only_int(config: dict) -> bool:
 
 
 def weight_only_bits(config: dict) -> set[int]:
-    """The widths of config.json's weight-only integer weights: each compressed-tensors group's, or gptq / awq's."""
+    """The widths of config.json's weight-only integer weights: each compressed-tensors group's, or gptq / awq's (and
+    gptq's `dynamic` rules')."""
     qc = config.get("quantization_config") or {}
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
     if groups:
         return {int((g.get("weights") or {}).get("num_bits") or 0) for g in groups
                 if (g.get("weights") or {}).get("type") == "int" and not g.get("input_activations")}
-    return {int(qc.get("bits") or 4)} if weight_only_int(config) else set()
+    if not weight_only_int(config):
+        return set()
+    dynamic = qc.get("dynamic") if isinstance(qc.get("dynamic"), dict) else {}
+    return {int(qc.get("bits") or 4), *(int(rule["bits"]) for pattern, rule in dynamic.items()
+                                        if not pattern.startswith("-:") and isinstance(rule, dict) and "bits" in rule)}
 
 
 class VllmEngine:
@@ -331,8 +336,8 @@ class VllmEngine:
               num_fewshot: int | None, batch_size: int) -> dict:
         """lm-eval `names` on `model` through lm-eval's vLLM model type, with quantkit's task definitions
         (lm_eval_tasks.py) and bundled data. It ends the served model: load another one after it."""
-        from ..data import BUNDLED
         from .. import lm_eval_tasks
+        from ..data import BUNDLED
 
         return self._call({"op": "tasks", "model": str(Path(model).resolve()), "dtype": dtype,
                            "max_model_len": max_model_len, "batch_size": batch_size, "tasks": names, "limit": limit,
