@@ -1,5 +1,5 @@
-"""The 2026 schemes on every family: each compressed-tensors preset below, rounded to nearest on a tiny random model
-of each family (MoE experts included), writes an artifact that quantkit's runtime reloads bit-exactly (logits equal
+"""Issue 41's schemes on every family: each compressed-tensors preset below, rounded to nearest on a tiny random
+model of each family (MoE experts included), writes an artifact that quantkit's runtime reloads bit-exactly (logits equal
 to the in-memory quantized model's, its inputs quantized as the preset says), with a logits error against the float
 model far below the logits' own mean square (a broken layer's is of its size). Rows go to $QUANTKIT_MATRIX like tests/test_families.py's, for README's
 scheme matrix (benchmarks/support_matrix.py). GPTQ on these grids, the peers' layouts and transformers' loading are

@@ -176,16 +176,30 @@ def test_percentile_clips_the_input_range(tiny_factory, tmp_path):
      "export.formats: gptq stores weight-only quantization; NVFP4 (FP4 activations) is written as "
      "compressed-tensors only"),
     ("rtn: {scheme: NVFP4, activations: {group_size: 32}}", ("compressed-tensors",),
-     "stages.0.rtn: activations: fp4 weights take no inputs or NVFP4's (type: fp4, bits: 4, strategy: group, "
-     "group_size: 16, dynamic: true)"),
+     "stages.0.rtn: activations: NVFP4 sets its inputs; drop activations or the scheme (only NVFP4 takes "
+     "activations: {observer: minmax | percentile} beside it)"),
+    ("rtn: {scheme: NVFP4, activations: null}", ("compressed-tensors",),
+     "stages.0.rtn: activations: NVFP4 sets its inputs; drop activations or the scheme (only NVFP4 takes "
+     "activations: {observer: minmax | percentile} beside it)"),
+    ("rtn: {scheme: NVFP4A16, activations: {type: fp4, bits: 4, strategy: group, group_size: 16}}",
+     ("compressed-tensors",),
+     "stages.0.rtn: activations: NVFP4A16 is weight-only; drop activations or the scheme (only NVFP4 takes "
+     "activations: {observer: minmax | percentile} beside it)"),
+    ("rtn: {type: fp4, bits: 4, group_size: 32, activations: {type: fp4, bits: 4, strategy: group, group_size: 32, "
+     "observer: percentile}}", ("compressed-tensors",),
+     "stages.0.rtn: activations.observer: MXFP4's inputs are quantized at run time; drop activations.observer"),
+    ("rtn: {type: fp4, bits: 4, group_size: 32, activations: {type: fp4, bits: 4, strategy: group, group_size: 16}}",
+     ("compressed-tensors",),
+     "stages.0.rtn: activations: fp4 weights take no inputs or MXFP4's (type: fp4, bits: 4, strategy: group, "
+     "group_size: 32, dynamic: true)"),
     ("gptq: {scheme: NVFP4, activations: {observer: mse}}", ("compressed-tensors",),
      "stages.0.gptq: activations.observer: NVFP4's input global scale is calibrated by minmax or percentile, got mse"),
     ("rtn: {bits: 4, group_size: 32, activations: {type: fp4, bits: 4, strategy: group, group_size: 32}}",
      ("compressed-tensors",),
      "stages.0.rtn: activations.type: fp4 inputs go with fp4 weights (NVFP4, MXFP4), got type: int"),
     ("rtn: {scheme: MXFP4, activations: {bits: 8}}", ("compressed-tensors",),
-     "stages.0.rtn: activations: fp4 weights take no inputs or MXFP4's (type: fp4, bits: 4, strategy: group, "
-     "group_size: 32, dynamic: true)"),
+     "stages.0.rtn: activations: MXFP4 sets its inputs; drop activations or the scheme (only NVFP4 takes "
+     "activations: {observer: minmax | percentile} beside it)"),
 ])
 def test_bad_w4a4_recipes_are_one_line(stage, formats, line, tiny_factory, tmp_path, monkeypatch, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_factory("llama"), tmp_path / "out", stage, formats)
@@ -202,3 +216,20 @@ def test_a_width_not_a_multiple_of_16_is_one_line(tmp_path, monkeypatch, capsys)
         "error: stages.0.rtn.scheme: NVFP4A16 needs in_features a multiple of 16 (its group size); "
         "model.layers.0.self_attn.q_proj has 40")
     assert not (tmp_path / "out").exists()
+
+
+def test_fp4_weights_with_other_inputs_are_refused_in_one_line():
+    """MXFP4 weights beside FP8 inputs per 128 columns (a pairing other producers write) is not a scheme quantkit
+    runs: the reader says so instead of quantizing those inputs as FP4."""
+    from quantkit.errors import QuantkitError
+    from quantkit.export.compressed_tensors import CompressedTensors
+
+    act = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}
+    qcfg = {"format": "mxfp4-pack-quantized", "config_groups": {"group_0": {
+        "weights": MXFP4["weights"].model_dump(mode="json"), "input_activations": act}}}
+    with pytest.raises(QuantkitError) as err:
+        CompressedTensors().activations(qcfg)
+    assert str(err.value) == ("input_activations: quantkit runs mxfp4-pack-quantized with e2m1 inputs per 32 columns "
+                              "(NVFP4, MXFP4); got 8-bit float per 128")
+    qcfg["config_groups"]["group_0"]["input_activations"] = MXFP4["input_activations"].model_dump(mode="json")
+    assert CompressedTensors().activations(qcfg) == "fp4"

@@ -211,22 +211,24 @@ def test_new_fp8_tensors_round_trip_through_to_tensors():
 
 
 @pytest.mark.slow  # three quantkit processes (~50 s on 2 busy cores)
-def test_a_killed_static_run_resumes_with_its_input_scales(tmp_path):
+@pytest.mark.parametrize("stage, tensor", [(STATIC, "input_scale"),
+                                           ("gptq: {scheme: NVFP4}", "input_global_scale")])  # observed before GPTQ
+def test_a_killed_static_run_resumes_with_its_input_scales(tmp_path, stage, tensor):
     """The scales of the blocks done before the kill come back from the checkpoint: the resumed artifact is the
     uninterrupted one byte for byte."""
     from tiny_models import make_tiny_model
 
     model = make_tiny_model(tmp_path / "llama4", "llama", layers=4)
-    whole = write_recipe(tmp_path / "whole.yaml", model, tmp_path / "whole", STATIC, ("compressed-tensors",))
+    whole = write_recipe(tmp_path / "whole.yaml", model, tmp_path / "whole", stage, ("compressed-tensors",))
     assert quantize_cli(whole).returncode == 0
-    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", STATIC, ("compressed-tensors",))
+    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", stage, ("compressed-tensors",))
     assert quantize_cli(recipe, kill_after_block=1).returncode == -signal.SIGKILL
     assert json.loads(next((tmp_path / "out" / FOLDER).glob("*/state.json")).read_text())["done"] == 1
     resumed = quantize_cli(recipe)
     assert resumed.returncode == 0 and "resuming after block 2/4" in resumed.stderr, resumed.stderr
     got = safetensors_bytes(tmp_path / "out" / "compressed-tensors")
     assert got == safetensors_bytes(tmp_path / "whole" / "compressed-tensors")
-    assert any(k.endswith("layers.0.self_attn.q_proj.input_scale")
+    assert any(k.endswith(f"layers.0.self_attn.q_proj.{tensor}")
                for k in load_file(tmp_path / "out" / "compressed-tensors" / "model.safetensors"))
 
 

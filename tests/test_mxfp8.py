@@ -160,6 +160,9 @@ def test_artifact_loads_in_quantkit_and_transformers(stage, tiny_factory, tmp_pa
     ("rtn: {type: mxfp8, bits: 8, group_size: 64}", ("compressed-tensors",),
      "stages.0.rtn: group_size: mxfp8 weights are e4m3 with a power-of-two scale per 32 columns (MXFP8A16, MXFP8): "
      "group_size: 32"),
+    ("rtn: {scheme: MXFP8, activations: null}", ("compressed-tensors",),
+     "stages.0.rtn: activations: MXFP8 sets its inputs; drop activations or the scheme (only NVFP4 takes "
+     "activations: {observer: minmax | percentile} beside it)"),
     ("rtn: {bits: 8, group_size: -1, activations: {type: mxfp8}}", ("compressed-tensors",),
      "stages.0.rtn: activations.type: mxfp8 inputs go with mxfp8 weights (MXFP8), got type: int"),
     ("awq: {bits: 4, group_size: 32}\n  - gptq: {scheme: MXFP8}", ("compressed-tensors",),

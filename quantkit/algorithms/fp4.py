@@ -222,7 +222,9 @@ def fake_quantize_inputs(x: torch.Tensor, group: int, global_scale: torch.Tensor
     the same calculate_qparams of each group's min and max as a weight's (tests/test_fp4_inputs.py). fp4_rtn's
     values times their scale, without its codes (half the time)."""
     spec = spec_for(group)
-    groups = x.reshape(-1, x.shape[-1] // group, group)
+    groups = x.unflatten(-1, (-1, group))  # (an expert no token reached: zero rows)
+    if global_scale is not None:
+        global_scale = global_scale.to(x.device)
     scale = effective(store(group_scales(groups, spec, global_scale), spec), global_scale)[..., None]
     return (round_values(groups, scale) * scale).to(x.dtype).reshape(x.shape)
 

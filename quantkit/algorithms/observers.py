@@ -48,6 +48,7 @@ class InputObserver:
     def scale(self, kind: str = "fp8") -> torch.Tensor:
         """float32 [1]: the static input scale of an input kind: fp8's clip / 448 (an input never seen: the scale
         dtype's eps, as compressed-tensors replaces a zero scale), fp4's (NVFP4's) global scale."""
+        assert kind in ("fp8", "fp4"), kind
         amax = float(self.amax)
         clip = amax if self.kind == "minmax" else (self._mse(amax) if self.kind == "mse" else self._percentile(amax))
         if kind == "fp4":

@@ -80,8 +80,8 @@ NO_W8A16 = ("vLLM's CPU build has no kernel for 8-bit weight-only integer weight
 NO_FP8_KV = ("the artifact has an FP8 KV cache (kv_cache_scheme), and vLLM's CPU build runs an fp8 KV cache only "
              "with AVX-512; this CPU has AVX2")
 # vLLM's CPU platform has no FP4 linear method (its NVFP4 / MXFP4 schemes are CUDA kernels: Marlin, CUTLASS)
-NO_FP4 = ("vLLM's CPU build has no kernel for FP4 weights (NVFP4, NVFP4A16, MXFP4, MXFP4A16): its FP4 schemes run on CUDA GPUs "
-          "only; quantkit's runtime runs them (dequantized)")
+NO_FP4 = ("vLLM's CPU build has no kernel for FP4 weights (NVFP4, NVFP4A16, MXFP4, MXFP4A16): its FP4 schemes run "
+          "on CUDA GPUs only; quantkit's runtime runs them (dequantized)")
 
 # vLLM's W4AFP8 scheme (CompressedTensorsW4A8Fp8) is taken on SM90 GPUs only; measured on this AVX2 CPU (vLLM 0.32):
 # "NotImplementedError: No compressed-tensors compatible scheme was found" for the int-quantized int4 + FP8 layer

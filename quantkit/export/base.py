@@ -52,6 +52,10 @@ class QuantInfo:
         return scheme_of(self.spec, self.activations, self.block, self.act_strategy, self.act_group)
 
 
+# the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
+STATIC_OBSERVERS = {"minmax": "static_minmax", "mse": "mse", "percentile": "percentile"}
+
+
 @dataclass
 class Encoded:
     tensors: dict[str, torch.Tensor]  # full tensor names -> packed tensors (replacing `<module>.weight`)

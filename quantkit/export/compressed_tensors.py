@@ -34,7 +34,7 @@ from ..algorithms.grid import INT8_CHANNEL
 from ..errors import QuantkitError
 from ..algorithms.scheme import QuantizedTensor
 from . import ct_fp4, ct_mxfp8, packing
-from .base import (Encoded, Fp8BlockWeight, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight,
+from .base import (STATIC_OBSERVERS, Encoded, Fp8BlockWeight, Fp8Weight, GridSpec, QuantInfo, QuantizedWeight,
                    trivial_g_idx)
 from .layout import FLOATS, I32, I64, Layout, Part, packed
 from .registry import Format, register
@@ -45,7 +45,6 @@ MARKERS |= {fmt: "weight_packed" for fmt in ct_fp4.PRESET}  # FP4: export/ct_fp4
 MARKERS[ct_mxfp8.FORMAT] = "weight_scale"  # MXFP8: export/ct_mxfp8.py
 MARKER = MARKERS[PACKED]
 W8A8_FORMATS = {"int8": INT, "fp8": FLOAT}  # QuantInfo.activations -> format
-STATIC_OBSERVERS = ct_fp4.STATIC_OBSERVERS
 KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}  # QuantInfo.kv_cache -> kv_cache_scheme.strategy
 
 
@@ -124,14 +123,15 @@ def decode_int_module(t: dict[str, torch.Tensor], qcfg: dict) -> QuantizedWeight
     )
 
 
-def _weights_args(qcfg: dict) -> dict:
+def _args(qcfg: dict, key: str = "weights") -> dict:
+    """The first config group's weights (or input_activations) arguments; {} where there are none."""
     groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
-    return (groups[0].get("weights") or {}) if groups else {}
+    return (groups[0].get(key) or {}) if groups else {}
 
 
 def int_grid(qcfg: dict) -> GridSpec:
     """An int-quantized config's weight grid: W8A8's int8 per channel, or W4AFP8's int4 groups (symmetric)."""
-    w = _weights_args(qcfg)
+    w = _args(qcfg)
     if int(w.get("num_bits") or 8) != 4:
         return INT8_CHANNEL
     if not w.get("symmetric", True):
@@ -141,7 +141,7 @@ def int_grid(qcfg: dict) -> GridSpec:
 
 def block_of(qcfg: dict) -> tuple[int, int] | None:
     """weights.block_structure of a block-strategy config (quantkit writes one config group)."""
-    weights = _weights_args(qcfg)
+    weights = _args(qcfg)
     return tuple(int(x) for x in weights["block_structure"]) if weights.get("strategy") == "block" else None
 
 
@@ -384,15 +384,14 @@ class CompressedTensors(Format):
         fmt = format_of(qcfg)
         if fmt == INT and int_grid(qcfg).bits == 4:
             return "fp8"  # W4AFP8
-        if fmt == ct_mxfp8.FORMAT or fmt in ct_fp4.PRESET:  # inputs quantized (MXFP8, NVFP4, MXFP4) or not
-            groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
-            quantized = groups and groups[0].get("input_activations")
-            return ("mxfp8" if fmt == ct_mxfp8.FORMAT else "fp4") if quantized else None
+        if fmt == ct_mxfp8.FORMAT:  # MXFP8 with its inputs quantized, or MXFP8A16
+            return "mxfp8" if _args(qcfg, "input_activations") else None
+        if fmt in ct_fp4.PRESET:
+            return ct_fp4.input_kind(_args(qcfg, "input_activations"), fmt)
         return {v: k for k, v in W8A8_FORMATS.items()}.get(fmt)
 
     def input_group(self, qcfg: dict) -> int | None:
-        groups = [g for g in qcfg.get("config_groups", {}).values() if isinstance(g, dict)]
-        act = (groups[0].get("input_activations") or {}) if groups else {}
+        act = _args(qcfg, "input_activations")
         return int(act["group_size"]) if act.get("strategy") in ("group", "tensor_group") else None
 
     def weight_only_int(self, qcfg: dict) -> bool:

@@ -19,15 +19,13 @@ from compressed_tensors.quantization.quant_scheme import MXFP4, NVFP4
 
 from ..algorithms.fp4 import SPECS, Fp4Spec, Fp4Weight
 from ..errors import QuantkitError
-from .base import QuantInfo
+from .base import STATIC_OBSERVERS, QuantInfo
 from .layout import Part
 
 FORMAT = {"NVFP4A16": "nvfp4-pack-quantized", "MXFP4A16": "mxfp4-pack-quantized"}  # preset -> format
 PRESET = {fmt: preset for preset, fmt in FORMAT.items()}
 # the weight-only preset -> the input args of its W4A4 twin
 INPUT_ARGS = {"NVFP4A16": NVFP4["input_activations"], "MXFP4A16": MXFP4["input_activations"]}
-# the observer a static input scale came from, as the config names it (llm-compressor's name for minmax's)
-STATIC_OBSERVERS = {"minmax": "static_minmax", "mse": "mse", "percentile": "percentile"}
 
 
 def encode_module(qw: Fp4Weight) -> dict[str, torch.Tensor]:
@@ -67,6 +65,18 @@ def encode(qweights: dict[str, Fp4Weight], info: QuantInfo) -> tuple[dict[str, t
         if spec.global_scale:
             inputs = inputs.model_copy(update={"observer": STATIC_OBSERVERS[info.act_observer]})
     return tensors, QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs, format=fmt)
+
+
+def input_kind(act: dict, fmt: str) -> str | None:
+    """"fp4" for the inputs NVFP4 / MXFP4 quantize (e2m1 on the weights' groups), None for weight-only; other inputs
+    beside FP4 weights (compressed-tensors' MXFP4xFP8: FP8 per 128) are refused in one line."""
+    if not act:
+        return None
+    group = SPECS[PRESET[fmt]].group_size
+    if (act.get("num_bits"), act.get("type"), act.get("group_size")) != (4, "float", group):
+        raise QuantkitError(f"input_activations: quantkit runs {fmt} with e2m1 inputs per {group} columns (NVFP4, "
+                            f"MXFP4); got {act.get('num_bits')}-bit {act.get('type')} per {act.get('group_size')}")
+    return "fp4"
 
 
 def parts(fmt: str) -> dict[str, Part]:

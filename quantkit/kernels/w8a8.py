@@ -271,10 +271,11 @@ class Fp4Linear(nn.Module):
     def __init__(self, qw: Fp4Weight, bias: torch.Tensor | None = None):
         super().__init__()
         if qw.spec.global_scale and qw.input_scale is None:
-            raise QuantkitError("input_global_scale: NVFP4 with quantized inputs needs each Linear's input global "
-                                "scale")
+            raise QuantkitError("input_global_scale: missing; NVFP4 with quantized inputs needs each Linear's "
+                                "input global scale")
         self.register_buffer("weight", qw.dequantize(torch.float32))
-        self.group, self.input_scale = qw.spec.group_size, qw.input_scale
+        self.register_buffer("input_scale", qw.input_scale)  # NVFP4's input global scale: moves with the layer
+        self.group = qw.spec.group_size
         self.out_features, self.in_features = self.weight.shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.path: str | None = None
@@ -333,6 +334,9 @@ def swap_w8a8_linears(model: nn.Module, qweights: dict[str, QuantizedTensor], gr
             raise QuantkitError(f"{name}: not an nn.Linear ({type(linear).__name__})")
         if tuple(qw.shape) != tuple(linear.weight.shape):
             raise QuantkitError(f"{name}: quantized weight {tuple(qw.shape)} does not fit {tuple(linear.weight.shape)}")
-        layer = w8a8_layer(qw, linear.bias, group).to(linear.weight.device)
+        try:
+            layer = w8a8_layer(qw, linear.bias, group).to(linear.weight.device)
+        except QuantkitError as err:
+            raise QuantkitError(f"{name}.{err}") from None
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, layer)

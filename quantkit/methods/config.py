@@ -123,9 +123,11 @@ class WeightQuant(OmitDefaults):
                 "fp4", 4, "group", self.group_size, True):
             raise error("activations: fp4 weights take no inputs or {preset}'s (type: fp4, bits: 4, strategy: group, "
                         "group_size: {g}, dynamic: true)", preset=preset, g=self.group_size)
+        if act is not None and preset == "MXFP4" and act.observer != "minmax":
+            raise error("activations.observer: MXFP4's inputs are quantized at run time; drop activations.observer")
         if act is not None and act.observer == "mse":  # observers.py's mse clip weighs FP8 error, not FP4's
-            raise error("activations.observer: {preset}'s input global scale is calibrated by minmax or percentile, "
-                        "got mse", preset=preset)
+            raise error("activations.observer: NVFP4's input global scale is calibrated by minmax or percentile, "
+                        "got mse")
         return self
 
     @model_validator(mode="after")

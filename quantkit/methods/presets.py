@@ -58,7 +58,14 @@ def expand(data: Any) -> Any:
         return data
     name = data["scheme"].upper()
     if name in FIXED:
-        for key, value in preset.items():  # activations merge below (an observer may be chosen); validators check
+        acts = data.get("activations")
+        # NVFP4's input global scale is calibrated: its observer may be chosen; nothing else of a fixed preset's inputs
+        if "activations" in data and not (name == "NVFP4" and isinstance(acts, dict) and set(acts) <= {"observer"}):
+            raise PydanticCustomError("preset", "activations: {name} {sets}; drop activations or the scheme (only "
+                                      "NVFP4 takes activations: {example} beside it)",
+                                      {"name": name, "sets": "sets its inputs" if "activations" in preset
+                                       else "is weight-only", "example": "{observer: minmax | percentile}"})
+        for key, value in preset.items():
             if key != "activations" and key in data and data[key] != value:
                 raise PydanticCustomError("preset", "{key}: {name} sets {key}: {value}; drop {key} or the scheme",
                                           {"key": key, "name": name,

@@ -215,8 +215,9 @@ def _blocks(model, blocks, stage, passes, device, prefix, targets, result: Quant
         # SmoothQuant right before gptq smooths inside gptq's forward, one forward less per block (rtn rounds
         # every weight before its forward, so it needs the scales folded first; several batches need every batch's
         # statistics before the fold)
+        # (not with an observe pass before gptq, which would run the block with the fold half made)
         inline = passes[-1] if stage.method.solves and passes and hidden.one_batch and \
-            hasattr(passes[-1], "inline") else None
+            hasattr(passes[-1], "inline") and not result.info.calibrated_inputs else None
         for p in passes:
             if p is inline:
                 continue

@@ -46,7 +46,6 @@ def fixed_bytes(model: nn.Module, searched: set[str], dtype: torch.dtype) -> int
     return total
 
 
-
 def untied_table(model: nn.Module) -> torch.Tensor | None:
     """The input embedding table where it is not the output one: a decode step reads one row of it. Everything
     else stored is read once per step, which bounds a memory-bound decode (the roofline)."""
