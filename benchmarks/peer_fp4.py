@@ -149,7 +149,7 @@ def report_cmd(args, jobs: list[str]) -> list[str]:
     for d in DOMAINS:
         cmd += ["--dataset", d]
     return cmd + ["--seq-len", "512", "--max-tokens", "2048", "--no-generation", "--dtype", "float32",
-                  "--out", str(args.out_dir / "report")]
+                  "--out", str(args.report_out or args.out_dir / "report")]
 
 
 def parse_args(argv):
@@ -163,6 +163,7 @@ def parse_args(argv):
     p.add_argument("--damp", type=float, default=0.01)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--actorder", default="static", help="GPTQModifier.actorder ('static' = 'weight')")
+    p.add_argument("--report-out", type=Path, help="the report's --out (default OUT_DIR/report)")
     p.add_argument("--llmc-python", type=Path, default=Path("/work/peers/llmc/bin/python"))
     p.add_argument("--quantkit", help="command prefix for quantkit (default: `quantkit` on PATH)")
     p.add_argument("--threads", type=int, default=0)
@@ -196,8 +197,9 @@ def main(argv=None) -> int:
     if not args.no_report:
         done = [j for j in args.jobs if (args.out_dir / j / "config.json").is_file()]
         cmd = report_cmd(args, done)
-        res = peer_gptq.run_measured(cmd, args.out_dir / "logs/report.log", env, args.nice)
-        results["report"] = res | {"cmd": shlex.join(cmd)}
+        name = (args.report_out or args.out_dir / "report").name
+        res = peer_gptq.run_measured(cmd, args.out_dir / f"logs/{name}.log", env, args.nice)
+        results[name] = res | {"cmd": shlex.join(cmd)}
         failed |= res["rc"] != 0
         results_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     for job in args.jobs:
