@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import shlex
 import sys
 import time
