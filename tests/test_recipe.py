@@ -104,7 +104,7 @@ def test_transform_stages_then_one_weight_stage():
     ([{"rtn": dict(W8A8, sym=False)}], None,
      "stages.0.rtn.sym: W8A8 (activations) needs symmetric weights, the only ones vLLM runs: sym: true"),
     ([{"gptq": dict(W8A8, activations={"bits": 4})}], None,
-     "stages.0.gptq.activations.bits: Input should be 8 (got 4)"),
+     "stages.0.gptq: activations.bits: 4-bit inputs are fp4 (NVFP4, MXFP4), other types 8-bit"),
     ([{"gptq": dict(W8A8, activations={"strategy": "tensor"})}], None,
      "stages.0.gptq.activations.strategy: tensor is for FP8 activations (type: float); int8 ones are per token"),
     ([{"gptq": dict(W8A8, activations={"strategy": "channel"})}], None,
@@ -127,7 +127,7 @@ def test_transform_stages_then_one_weight_stage():
      "stages.0.rtn.block.0: Input should be greater than or equal to 1 (got 0)"),
     ([{"rtn": {"scheme": "NVFP5"}}], None,
      "stages.0.rtn.scheme: unknown preset 'NVFP5' (known: W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8, "
-     "FP8_BLOCK, W4AFP8, NVFP4A16, MXFP4A16, MXFP8A16, MXFP8) (got 'NVFP5')"),
+     "FP8_BLOCK, W4AFP8, NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP8A16, MXFP8) (got 'NVFP5')"),
     ([{"rtn": {"scheme": "FP8"}}], lambda d: d.pop("calibration"), "calibration: required by the rtn stage"),
     ([{"rtn": dict(W8A8, activations={"type": "float"})}], None,
      "stages.0.rtn.activations.type: float activations need float weights (type: float), got type: int"),
