@@ -50,6 +50,13 @@ def run_cli(monkeypatch, *args) -> int:
     return 0
 
 
+def assert_quantize_refuses(monkeypatch, capsys, recipe: Path, line: str, output: Path) -> None:
+    """`quantkit quantize RECIPE` exits 2 with `error: RECIPE: LINE` as its last line and writes nothing."""
+    assert run_cli(monkeypatch, "quantize", recipe, "--quiet") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {recipe}: {line}"
+    assert not output.exists()
+
+
 def write_recipe(path: Path, model: Path | str, output: Path, stage: str, formats=("gptq", "compressed-tensors"),
                  samples: int = 8, seq_len: int = 64, extra: str = "", load: str = "auto") -> Path:
     path.write_text(
