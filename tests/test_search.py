@@ -115,6 +115,9 @@ def test_search_end_to_end(tiny_llama, tmp_path, monkeypatch):
      r"search.candidates.1: 'fp8' is not a candidate; expected a grid \(\{bits, group_size, sym\}\) or unquantized"),
     ("{bits_per_weight: 4}", "[{bits: 4, group_size: 32}, {bits: 5}]", r"search.candidates.1"),
     ("{bits_per_weight: 4, weight_bytes: 1GB}", None, r"search.budget: give exactly one of"),
+    ("{bits_per_weight: 4}", "[{bits: 4, group_size: 128}, {bits: 8, group_size: 128}]",
+     r"search.candidates: none fits model.layers.0.self_attn.q_proj \(in_features 64\); add one whose group size "
+     r"divides it, or unquantized"),
 ])
 def test_search_bad_input_is_one_line(tiny_llama, tmp_path, monkeypatch, capsys, budget, candidates, message):
     from conftest import run_cli
@@ -127,6 +130,27 @@ def test_search_bad_input_is_one_line(tiny_llama, tmp_path, monkeypatch, capsys,
     assert len(err) == 1 and err[0].startswith("error: ")
     assert __import__("re").search(message, err[0]), err[0]
     assert not (out / "compressed-tensors").exists()
+
+
+def test_a_candidate_that_fits_some_groups_only(tmp_path, monkeypatch):
+    """Group 64 divides down_proj's 192 inputs, not the other Linears' 96 (as SmolLM2's 576 takes no group of 128):
+    they never take it (no measurement, no pick), down_proj does when the budget allows, and the recipe quantizes."""
+    from conftest import run_cli
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", "llama", hidden=96)
+    out = tmp_path / "out"
+    recipe = _search_recipe(tmp_path / "r.yaml", model, out, "{bits_per_weight: 6}",
+                            "[{bits: 4, group_size: -1}, {bits: 4, group_size: 64}]")
+    assert run_cli(monkeypatch, "search", recipe, "--quiet") == 0
+    body = json.loads((out / "search" / "search.json").read_text())
+    assert body["candidates"] == ["w4pc", "w4g64"]
+    for g in body["groups"]:
+        down = g["linears"][0].endswith("down_proj")
+        assert (g["increase"][1] is None, g["errors"][1] is None) == (not down, not down), g["linears"]
+        # 6 bits a weight leave room: down_proj takes the finer group; the rest can only be per-channel
+        assert g["choice"] == ("w4g64" if down else "w4pc")
+    assert body["measured"]["bytes"] <= body["budget_bytes"]
 
 
 def test_card_lists_the_per_layer_grids():

@@ -26,10 +26,12 @@ class Choice:
         return max(self.predicted)
 
 
-def allocate(increase: np.ndarray, cost: np.ndarray, budget: int) -> Choice:
-    """increase [G, C, D] (KLD per domain), cost [G, C] (bytes); budget: bytes the groups may take together."""
+def allocate(increase: np.ndarray, cost: np.ndarray, budget: int, allowed: np.ndarray | None = None) -> Choice:
+    """increase [G, C, D] (KLD per domain), cost [G, C] (bytes); budget: bytes the groups may take together;
+    allowed [G, C]: the candidates each group can take (a group size must divide its Linears), all by default."""
     groups, cands, domains = increase.shape
-    check_budget(cost, budget)
+    allowed = np.ones((groups, cands), dtype=bool) if allowed is None else allowed
+    check_budget(cost, budget, allowed)
     n = groups * cands
     c = np.concatenate([TIE * increase.mean(axis=2).reshape(n), [1.0]])  # x (flattened g-major), then t
     rows = [LinearConstraint(np.concatenate([cost.reshape(n), [0.0]])[None], -np.inf, budget)]
@@ -40,7 +42,8 @@ def allocate(increase: np.ndarray, cost: np.ndarray, budget: int) -> Choice:
     worst = np.concatenate([increase.transpose(2, 0, 1).reshape(domains, n), -np.ones((domains, 1))], axis=1)
     rows.append(LinearConstraint(worst, -np.inf, 0))
     integrality = np.concatenate([np.ones(n), [0]])
-    res = milp(c, constraints=rows, integrality=integrality, bounds=Bounds(0, np.concatenate([np.ones(n), [np.inf]])))
+    upper = np.concatenate([allowed.reshape(n).astype(float), [np.inf]])  # a candidate a group cannot take: 0
+    res = milp(c, constraints=rows, integrality=integrality, bounds=Bounds(0, upper))
     if res.x is None:
         raise QuantkitError(f"search: the allocation found no mix within the budget ({res.message})")
     pick = [int(np.argmax(res.x[g * cands:(g + 1) * cands])) for g in range(groups)]
@@ -50,8 +53,8 @@ def allocate(increase: np.ndarray, cost: np.ndarray, budget: int) -> Choice:
     return chosen
 
 
-def check_budget(cost: np.ndarray, budget: int) -> None:
-    cheapest = int(cost.min(axis=1).sum())
+def check_budget(cost: np.ndarray, budget: int, allowed: np.ndarray | None = None) -> None:
+    cheapest = int(_masked(cost, allowed, np.inf).min(axis=1).sum())
     if cheapest > budget:
         raise QuantkitError(f"search.budget: {budget} bytes for the searched Linears; the cheapest candidate of every "
                             f"group already takes {cheapest}")
@@ -62,12 +65,18 @@ def choice(pick: list[int], increase: np.ndarray, cost: np.ndarray) -> Choice:
     return Choice(pick, [float(x) for x in increase[g, pick].sum(axis=0)], int(cost[g, pick].sum()))
 
 
-def front(increase: np.ndarray, cost: np.ndarray, points: int = 12) -> list[Choice]:
+def front(increase: np.ndarray, cost: np.ndarray, allowed: np.ndarray | None = None,
+          points: int = 12) -> list[Choice]:
     """The predicted Pareto front: the best mix at budgets evenly spread from the cheapest to the dearest."""
-    lo, hi = int(cost.min(axis=1).sum()), int(cost.max(axis=1).sum())
+    lo = int(_masked(cost, allowed, np.inf).min(axis=1).sum())
+    hi = int(_masked(cost, allowed, -np.inf).max(axis=1).sum())
     out: list[Choice] = []
     for b in np.linspace(lo, hi, points):
-        ch = allocate(increase, cost, int(b))
+        ch = allocate(increase, cost, int(b), allowed)
         if not out or ch.pick != out[-1].pick:
             out.append(ch)
     return out
+
+
+def _masked(cost: np.ndarray, allowed: np.ndarray | None, fill: float) -> np.ndarray:
+    return cost if allowed is None else np.where(allowed, cost, fill)

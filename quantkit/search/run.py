@@ -18,6 +18,8 @@ from scipy.stats import spearmanr
 
 from .. import runtime
 from ..errors import QuantkitError
+from ..export import formats as format_registry
+from ..export.base import scheme_of
 from ..families import moe
 from ..files import write_json_atomic, write_text_atomic
 from ..model import decoder_blocks, load_model, model_fingerprint, torch_dtype
@@ -70,23 +72,29 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     groups = target_plan.fused_groups(list(targets))
     dtype = next(model.parameters()).dtype if recipe.export.dtype == "auto" else torch_dtype(recipe.export.dtype)
     fmt = recipe.export.formats[0]
-    cost = np.array([[sum(sizes.linear_bytes(n, targets[n], s, fmt, info, dtype) for n in g) for s in specs]
-                     for g in groups], dtype=np.int64)
+    allowed = _fits(groups, targets, specs, recipe.export.formats, path)
+    cost = np.array([[sum(sizes.linear_bytes(n, targets[n], s, fmt, info, dtype) for n in g) if ok else 0
+                      for s, ok in zip(specs, fits)] for g, fits in zip(groups, allowed)], dtype=np.int64)
     fixed = sizes.fixed_bytes(model, set(targets), dtype)
     budget = _budget(cfg, stage.weights, model, targets, info, fmt, dtype, fixed, path)
-    allocate.check_budget(cost, budget)  # before any work
+    allocate.check_budget(cost, budget, allowed)  # before any work
     report.info(f"search: {len(groups)} groups of {len(targets)} Linears x {len(specs)} candidates "
                 f"({', '.join(map(label, specs))}); budget {budget + fixed} bytes")
+    for c in np.flatnonzero(~allowed.all(axis=0)):
+        report.info(f"search: {label(specs[c])} does not fit {int((~allowed[:, c]).sum())} of {len(groups)} groups "
+                    "(its group size does not divide their in_features); they take the other candidates")
 
     # what the measurements depend on: not the budget (a search is re-run at another budget), but the model's files
     # and the scored tokens (added once they are read)
     key = {"recipe": recipe_fingerprint(recipe), "model": model_fingerprint(recipe.model),
            "search": cfg.model_dump(mode="json", exclude={"budget"}), "candidates": [label(s) for s in specs]}
-    measured, sample = _sensitivity(recipe, cfg, loaded, prefix, blocks, targets, groups, specs, key, out, report)
-    increase = np.array([[m["increase"][c] for c in range(len(specs))] for m in measured])  # [G, C, D]
+    measured, sample = _sensitivity(recipe, cfg, loaded, prefix, blocks, targets, groups, specs, allowed, key, out,
+                                    report)
+    increase = np.array([[m["increase"][c] or [0.0] * len(sample.domains) for c in range(len(specs))]
+                         for m in measured])  # [G, C, D]; a candidate a group cannot take: None, never picked
     with report.timed("allocate"):
-        chosen = allocate.allocate(increase, cost, budget)
-        pareto = allocate.front(increase, cost)
+        chosen = allocate.allocate(increase, cost, budget, allowed)
+        pareto = allocate.front(increase, cost, allowed)
     report.info(f"search: predicted worst-domain KLD {chosen.worst:.4f} at {chosen.bytes + fixed} bytes")
 
     mix = {n: specs[chosen.pick[gi]] for gi, g in enumerate(groups) for n in g}
@@ -128,6 +136,26 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     return body
 
 
+def _fits(groups: list[tuple[str, ...]], targets: dict, specs: list, formats: list[str], path: str) -> np.ndarray:
+    """[G, C]: whether every Linear of a group can take a candidate (its group size divides in_features, and each
+    format packs it). A group no candidate fits is refused in one line."""
+    def fits(spec, name: str) -> bool:
+        m = targets[name]
+        if spec is None:
+            return True
+        if spec.group_size != -1 and m.in_features % spec.group_size:
+            return False
+        return all(format_registry.get(f).check_linear(scheme_of(spec, None), name, m.out_features,
+                                                       m.in_features) is None for f in formats)
+
+    allowed = np.array([[all(fits(s, n) for n in g) for s in specs] for g in groups], dtype=bool)
+    for g, ok in zip(groups, allowed):
+        if not ok.any():
+            raise QuantkitError(f"{path}: search.candidates: none fits {g[0]} (in_features "
+                                f"{targets[g[0]].in_features}); add one whose group size divides it, or unquantized")
+    return allowed
+
+
 def _budget(cfg: Search, stage_args, model, targets, info, fmt, dtype, fixed: int, path: str) -> int:
     """Bytes the searched Linears may take together."""
     b = cfg.budget
@@ -167,8 +195,8 @@ def _speedup(model, dtype, written: int, target: float | None) -> dict:
                      "not a measurement"}
 
 
-def _sensitivity(recipe: Recipe, cfg: Search, loaded, prefix: str, blocks, targets, groups, specs, key, out: Path,
-                 report: Reporter) -> tuple[list[dict], sensitivity.Sample]:
+def _sensitivity(recipe: Recipe, cfg: Search, loaded, prefix: str, blocks, targets, groups, specs, allowed, key,
+                 out: Path, report: Reporter) -> tuple[list[dict], sensitivity.Sample]:
     """Per group: each candidate's output error and KLD increase per domain (measured or scaled), block by block."""
     model, stage = loaded.model, recipe.stage
     with report.timed("score_text"):
@@ -209,21 +237,23 @@ def _sensitivity(recipe: Recipe, cfg: Search, loaded, prefix: str, blocks, targe
                 hess = {n: h.value() for n, h in hess.items()}
             bodies = []
             for gi in mine:
-                bodies.append(_group(groups[gi], targets, share, hess, specs, solver, stage.method, model, blocks,
-                                     i, sample, cfg.measure == "all" or gi in checks))
+                bodies.append(_group(groups[gi], targets, share, hess, specs, allowed[gi], solver, stage.method,
+                                     model, blocks, i, sample, cfg.measure == "all" or gi in checks))
                 result[gi] = bodies[-1]
             cache.put(i, bodies)
     return result, sample  # type: ignore[return-value]
 
 
-def _group(names, targets, share, hess, specs, solver, method, model, blocks, i, sample, measure_all) -> dict:
+def _group(names, targets, share, hess, specs, allowed, solver, method, model, blocks, i, sample, measure_all
+           ) -> dict:
+    """A candidate the group cannot take has error and increase None."""
     originals = {n: targets[n].weight.data for n in names}
     candidates: list[dict[str, torch.Tensor] | None] = []
-    errors: list[float] = []
-    for spec in specs:
-        if spec is None:
+    errors: list[float | None] = []
+    for spec, ok in zip(specs, allowed):
+        if spec is None or not ok:
             candidates.append(None)
-            errors.append(0.0)
+            errors.append(0.0 if ok else None)
             continue
         deq: dict[str, torch.Tensor] = {}
         readers: dict[str, list[str]] = {}
@@ -239,7 +269,10 @@ def _group(names, targets, share, hess, specs, solver, method, model, blocks, i,
                 err += sensitivity.output_error(originals[n], q, h)
         candidates.append(deq)
         errors.append(err)
-    lossy = [c for c, s in enumerate(specs) if s is not None]
+    lossy = [c for c, s in enumerate(specs) if s is not None and allowed[c]]
+    if not lossy:  # only unquantized fits: nothing to measure
+        return {"errors": errors, "reference": None, "increase": [[0.0] * len(sample.domains) if e is not None
+                                                                   else None for e in errors], "checked": {}}
     ref = max(lossy, key=lambda c: errors[c])
     measured: dict[int, list[float]] = {}
     for c in (lossy if measure_all else [ref]):
@@ -253,7 +286,7 @@ def _group(names, targets, share, hess, specs, solver, method, model, blocks, i,
     def scaled(c: int) -> list[float]:  # the reference's increase, scaled by candidate c's output error
         return [max(x, 0.0) * (errors[c] / errors[ref] if errors[ref] > 0 else 0.0) for x in measured[ref]]
 
-    increase = [[0.0] * len(sample.domains) if spec is None
+    increase = [None if not allowed[c] else [0.0] * len(sample.domains) if spec is None
                 else [max(x, 0.0) for x in measured[c]] if c in measured else scaled(c)
                 for c, spec in enumerate(specs)]
     return {"errors": errors, "reference": ref, "increase": increase,
