@@ -164,7 +164,7 @@ class Release:
 
     def _check_vllm_serves(self, field: str) -> None:
         """vLLM's environment exists, and its build has kernels for the recipe's scheme on this machine."""
-        from .engines.vllm import NO_FP4, NO_MXFP8, NO_W4AFP8, NO_W8A16, NO_WNA16, VllmEngine, interpreter
+        from .engines.vllm import NO_FP4, NO_MXFP8, NO_W4AFP8, NO_WNA16, ONLY_4BIT, VllmEngine, interpreter
 
         python = interpreter(None, f"{field}: vllm")
         args = self.recipe.stage.weights  # awq alone: its grid, as a WeightQuant
@@ -176,10 +176,10 @@ class Release:
                 if engine.kernels()["device"] == "cpu":
                     raise QuantkitError(f"{field}: vllm: {NO_W4AFP8 if w4afp8 else NO_MXFP8}")
         if args.type == "int" and args.activations is None:
-            eight = 8 in {args.bits, *(o.bits for o in self.recipe.overrides)}
+            not4 = {args.bits, *(o.bits for o in self.recipe.overrides if o.bits is not None)} - {4}
             with VllmEngine(python) as engine:
-                if eight and engine.kernels()["device"] == "cpu":
-                    raise QuantkitError(f"{field}: vllm: {NO_W8A16}")
+                if not4 and engine.kernels()["device"] == "cpu":
+                    raise QuantkitError(f"{field}: vllm: {ONLY_4BIT}")
                 if not engine.has_wna16():
                     raise QuantkitError(f"{field}: vllm: {NO_WNA16}")
         static = args.activations is not None and not args.activations.dynamic

@@ -28,8 +28,8 @@ def test_dense_packing_round_trips(bits, dim):
 def test_packing_matches_compressed_tensors_library():
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    for bits in (4, 8):
-        codes = torch.randint(0, 2**bits, (24, 80))
+    for bits in (2, 3, 4, 8):  # 3 bits: values cross words in both
+        codes = torch.randint(0, 2**bits, (24, 96))
         signed = (codes - 2 ** (bits - 1)).to(torch.int8)
         assert torch.equal(packing.pack(codes, bits, 1), pack_to_int32(signed, bits))
         assert torch.equal(packing.pack(codes, bits, 0), pack_to_int32(signed, bits, packed_dim=0))
@@ -62,9 +62,8 @@ def test_formats_round_trip_bit_exact_and_agree_with_reference_readers(tmp_path,
     qw = quantized(spec, act_order)
     info = QuantInfo("gptq", spec, act_order=act_order, damp=0.01)
     formats = [("gptq", gptq, gptq.encode({"m.proj": qw}, info), read_gptq)]
-    if spec.bits in (4, 8):  # what compressed-tensors stores
-        enc = compressed_tensors.encode({"m.proj": qw}, info, torch.float32)
-        formats.append(("ct", compressed_tensors, enc, read_compressed_tensors))
+    enc = compressed_tensors.encode({"m.proj": qw}, info, torch.float32)
+    formats.append(("ct", compressed_tensors, enc, read_compressed_tensors))
     for name, fmt, enc, reference_reader in formats:
         parts = {k.split(".", 2)[2]: v for k, v in enc.tensors.items()}
         assert same(fmt.decode_module(parts, enc.quantization_config), qw), name

@@ -95,6 +95,29 @@ def test_mixed_artifact(stage, tiny_llama, tmp_path):
     assert verify(art).ok
 
 
+def test_sub_4bit_compressed_tensors_artifact_loads_in_transformers(tiny_llama, tmp_path):
+    """W3A16 g32 with block 0's down_proj at W2: compressed-tensors' dense packing (values crossing int32 words) of
+    both widths; transformers with compressed-tensors computes quantkit's runtime logits exactly, verify passes, and
+    the vLLM refusal sees both widths."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.engines.vllm import weight_only_bits
+
+    over = "overrides:\n  - {targets: [mlp.down_proj], layers: [0], bits: 2}\n"
+    run_quantize(load_recipe(recipe(tmp_path, tiny_llama, "gptq: {bits: 3, group_size: 32}", over)), overwrite=False,
+                 report=Reporter(quiet=True))
+    art = tmp_path / "out" / "compressed-tensors"
+    config = json.loads((art / "config.json").read_text())
+    assert sorted(g["weights"]["num_bits"] for g in config["quantization_config"]["config_groups"].values()) == [2, 3]
+    assert weight_only_bits(config) == {2, 3}
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = runtime.load(str(art), "float32").model(ids).logits
+        theirs = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32)(ids).logits
+    assert torch.equal(theirs, ours)
+    assert verify(art).ok
+
+
 def test_the_same_recipe_writes_the_same_bytes(tiny_llama, tmp_path):
     """Run again, and loaded whole instead of streamed block by block: the same bytes."""
     digests = []
@@ -152,7 +175,8 @@ def test_bad_overrides_of_the_model_are_one_line(arch, overrides, line, tiny_fac
      ("compressed-tensors",), "overrides: per-layer overrides change an int weight-only grid; stages.0.rtn is "
      "W8A8 (mixing kinds of schemes in one artifact is not supported yet)"),
     ("rtn: {bits: 4, group_size: 32}", "overrides:\n  - {targets: [mlp.down_proj], bits: 3}\n",
-     ("compressed-tensors",), "overrides.0.bits: 3 bits cannot be stored in compressed-tensors (it stores 4, 8)"),
+     ("compressed-tensors", "awq"), "export.formats: awq stores one grid; a recipe with overrides is written as gptq "
+     "or compressed-tensors"),
     ("rtn: {bits: 4, group_size: 32}", "overrides:\n  - {targets: [mlp], layers: \"3-1\", bits: 8}\n",
      ("compressed-tensors",), "overrides.0.layers: a list of block indices or a range like \"0-3\" (first <= last), "
      "got '3-1' (got '3-1')"),

@@ -25,7 +25,7 @@ from test_vllm import (KERNELS_WORKER, PYTHON, against_quantkit, check_agreement
                        release_recipe)
 
 from quantkit import runtime
-from quantkit.engines.vllm import NO_W8A16, VllmEngine, weight_only_bits
+from quantkit.engines.vllm import ONLY_4BIT, VllmEngine, weight_only_bits
 from quantkit.errors import QuantkitError
 from quantkit.progress import Reporter
 from quantkit.quantize.run import run_quantize
@@ -128,7 +128,7 @@ def test_an_8_bit_weight_only_group_is_refused_on_a_cpu_before_vllm_loads(tiny_l
         for artifact in artifacts.values():
             with pytest.raises(QuantkitError) as err:
                 engine.load(str(artifact), "float16", 128)
-            assert str(err.value) == f"vllm: cannot serve {artifact}: {NO_W8A16}"
+            assert str(err.value) == f"vllm: cannot serve {artifact}: {ONLY_4BIT}"
     assert not (tmp_path / "seen").exists()
 
 
@@ -144,7 +144,7 @@ def test_a_release_of_an_8_bit_group_in_vllm_stops_before_quantizing(tiny_llama,
     recipe = release_recipe(tiny_llama, tmp_path, "gptq: {bits: 4, group_size: 32}")
     recipe.write_text(recipe.read_text() + "\n" + MIXED)  # release_recipe ends without one
     assert run_cli(monkeypatch, "release", recipe, "--quiet") == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: release.eval.engine: vllm: {NO_W8A16}"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: release.eval.engine: vllm: {ONLY_4BIT}"
     assert not (tmp_path / "out").exists()
 
 

@@ -71,9 +71,10 @@ NO_WNA16 = ("vLLM's CPU build has no kernel for weight-only integer formats (gpt
 
 # vLLM 0.32's CPU weight-only kernels (CPUWNA16, zentorch) take uint4 / uint4b8 only: an 8-bit weight-only Linear
 # fails its kernel choice ("Failed to find a kernel that can implement the WNA16 linear layer ... uint8b128"), measured
-# on this AVX2 EPYC for W8A16 and for a mixed W4 / W8 compressed-tensors artifact; the code refuses it on any CPU
-NO_W8A16 = ("vLLM's CPU build has no kernel for 8-bit weight-only integer weights (W8A16, or the 8-bit groups of a "
-            "mixed-precision artifact): its CPU weight-only kernels take 4-bit weights only")
+# on this AVX2 EPYC for W8A16 and for a mixed W4 / W8 compressed-tensors artifact; the code refuses it (and 2 / 3
+# bits, which its CUDA build runs on the humming kernel) on any CPU
+ONLY_4BIT = ("vLLM's CPU build has no kernel for weight-only integer weights other than 4-bit (W8A16, W3A16, W2A16, "
+             "or such groups of a mixed-precision artifact): its CPU weight-only kernels take 4-bit weights only")
 
 # An FP8 KV cache (compressed-tensors kv_cache_scheme) is served with kv_cache_dtype fp8, which the x86 CPU build
 # runs only with AVX-512; on AVX2 vLLM would keep a 16-bit cache (or stop), and measure something else than the artifact
@@ -223,8 +224,8 @@ class VllmEngine:
         config = json.loads(path.read_text()) if path.is_file() else {}
         if fp4_weights(config):
             raise QuantkitError(f"vllm: cannot serve {model}: {NO_FP4}")
-        if 8 in weight_only_bits(config) and self.kernels()["device"] == "cpu":
-            raise QuantkitError(f"vllm: cannot serve {model}: {NO_W8A16}")
+        if weight_only_bits(config) - {4} and self.kernels()["device"] == "cpu":
+            raise QuantkitError(f"vllm: cannot serve {model}: {ONLY_4BIT}")
         for refused, why in ((w4afp8, NO_W4AFP8), (mxfp8_weights, NO_MXFP8)):
             if refused(config) and self.kernels()["device"] == "cpu":
                 raise QuantkitError(f"vllm: cannot serve {model}: {why}")

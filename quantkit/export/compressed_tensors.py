@@ -1,6 +1,7 @@
 """compressed-tensors: the layouts llm-compressor writes and vLLM / transformers load.
 
-`pack-quantized` (weight-only int, W4A16 / W8A16), per quantized Linear `<m>`:
+`pack-quantized` (weight-only int, W4A16 / W8A16, and W2A16 / W3A16: compressed-tensors packs 1 to 8 bits densely,
+values crossing words, as export/packing.py does), per quantized Linear `<m>`:
   <m>.weight_packed      int32 [out, in*bits/32]  signed codes + 2^(bits-1), packed along the input dim
   <m>.weight_scale       [out, groups]            (channel strategy: [out, 1])
   <m>.weight_zero_point  int32 [out*bits/32, groups]  asymmetric only: signed zero + 2^(bits-1), packed along out
@@ -341,7 +342,7 @@ def _block_scale(block: tuple[int, int]) -> Part:
 
 class CompressedTensors(Format):
     name = "compressed-tensors"
-    bits = (4, 8)
+    bits = (2, 3, 4, 8)
     kinds = ("int", "float", "fp4", "mxfp8")
     weight_only = False
     kv_cache = True
