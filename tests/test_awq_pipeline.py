@@ -209,13 +209,13 @@ def test_awq_recipe_defaults_and_both_roles():
 @pytest.mark.parametrize("stages, formats, edits, expected", [
     ([{"awq": {"bits": 8}}], ("awq",), {}, "stages.0.awq.bits: Input should be 4 (got 8)"),
     ([{"awq": {"group_size": 256}}], ("awq",), {},
-     "stages.0.awq.group_size: Input should be -1, 32, 64 or 128 (got 256)"),
+     "stages.0.awq.group_size: Input should be -1, 16, 32, 64 or 128 (got 256)"),
     ([{"awq": {}}], ("awq",), {"calibration": None}, "calibration: required by the awq stage"),
     ([{"awq": {"grid": 0}}], ("awq",), {}, "stages.0.awq.grid: Input should be greater than or equal to 1 (got 0)"),
     ([{"awq": {"clip": "maybe"}}], ("awq",), {},
      "stages.0.awq.clip: Input should be a valid boolean, unable to interpret input (got 'maybe')"),
     ([{"awq": {"alpha": 0.5}}], ("awq",), {},
-     "stages.0.awq: unknown key 'alpha' (accepted: bits, group_size, zero_point, grid, duo_scaling, clip, "
+     "stages.0.awq: unknown key 'alpha' (accepted: scheme, bits, group_size, zero_point, grid, duo_scaling, clip, "
      "clip_tokens, ignore)"),
     ([{"awq": {"clip_tokens": 0}}], ("awq",), {},
      "stages.0.awq.clip_tokens: Input should be greater than or equal to 1 (got 0)"),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import fp4
+from .fp4 import Fp4Spec
 from .grid import GridSpec, params_from_range, quantize_codes
 
 Loss = Callable[[list[torch.Tensor]], float]  # candidate weights (one per linear, float32) -> error
@@ -72,22 +74,27 @@ def candidate_scale(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: fl
     return torch.where(torch.isfinite(s), s, torch.ones_like(s))
 
 
-def quantize_dequantize(w: torch.Tensor, spec: GridSpec, lo: torch.Tensor | None = None,
-                        hi: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_dequantize(w: torch.Tensor, spec: GridSpec | Fp4Spec, lo: torch.Tensor | None = None,
+                        hi: torch.Tensor | None = None, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """rtn_quantize(w, spec).dequantize() of a float32 [rows, cols] w, bit for bit, without building the
-    QuantizedWeight (no uint8 / fp16 round trips; in-place steps). lo / hi: each (row, group)'s min and max
-    when the caller knows them (clipping), else computed."""
+    QuantizedWeight (no uint8 / fp16 round trips; in-place steps); fp4_rtn(w, spec, global_scale)'s for an FP4
+    grid (NVFP4's global scale: from all of w when not given). lo / hi: each (row, group)'s min and max when the
+    caller knows them (clipping), else computed."""
     rows, cols = w.shape
     g = w.reshape(-1, spec.span(cols))
     if lo is None or hi is None:
         lo, hi = torch.aminmax(g, dim=1)
+    if isinstance(spec, Fp4Spec):
+        gs = fp4.global_scale_of(w, spec) if global_scale is None else global_scale
+        scale = fp4.scales_of_range(lo.reshape(-1), hi.reshape(-1), spec, gs)[:, None]
+        return fp4.round_values(g, scale).mul_(scale).view(rows, cols)
     scale, zero = params_from_range(lo.reshape(-1), hi.reshape(-1), spec)
     scale, zero = scale[:, None], zero[:, None]
     q = quantize_codes(g, scale, zero, spec.maxq)
     return q.sub_(zero).mul_(scale).view(rows, cols)
 
 
-def fake_quantize(weight: torch.Tensor, s: torch.Tensor, spec: GridSpec) -> torch.Tensor:
+def fake_quantize(weight: torch.Tensor, s: torch.Tensor, spec: GridSpec | Fp4Spec) -> torch.Tensor:
     """Q(W·s)/s in float32: the weight the float block sees once s is folded and W·s quantized."""
     return quantize_dequantize(weight.float() * s, spec).div_(s)
 
@@ -96,7 +103,7 @@ def fake_quantize(weight: torch.Tensor, s: torch.Tensor, spec: GridSpec) -> torc
 def search_scale(
     x_mean: torch.Tensor,
     weights: list[torch.Tensor],
-    spec: GridSpec | list[GridSpec],
+    spec: GridSpec | Fp4Spec | list[GridSpec],
     loss: Loss,
     n_grid: int = 20,
     duo_scaling: bool = True,
@@ -104,7 +111,8 @@ def search_scale(
     """Grid search over α = i/n_grid, i < n_grid (AutoAWQ `_compute_best_scale`): each candidate s
     quantizes every W·s, divides back by s and is scored by `loss` (see `linear_loss`, `module_loss`).
     weights: the linears that read the same input (q/k/v, gate/up, or one linear), unfolded; spec: their grid, or
-    each one's (mixed precision)."""
+    each one's (mixed precision). NVFP4's global scale is taken over all of them, as the export fuses q/k/v's and
+    gate/up's (and llm-compressor's AWQ its fused observers)."""
     ws = [w.float() for w in weights]
     x_mean = x_mean.float().flatten().to(ws[0].device)
     w_mean = weight_mean(ws, spec) if duo_scaling else None
@@ -192,11 +200,12 @@ def clip_applies(name: str) -> bool:
 def search_clip(
     weight: torch.Tensor,
     x: torch.Tensor,
-    spec: GridSpec,
+    spec: GridSpec | Fp4Spec,
     n_grid: int = 20,
     max_shrink: float = 0.5,
     n_tokens: int = 512,
     rows_per_batch: int = 1024,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """AutoAWQ `_compute_best_clip`: for each output row and group, try max|w| shrunk by 1 - i/n_grid,
     i < max_shrink·n_grid, clamp the group to ±that, quantize it, and keep the shrink with the smallest
@@ -204,7 +213,8 @@ def search_clip(
     tokens. Returns the clamped weight; the stored grid is then the usual min-max of it.
 
     weight and x are taken after folding (W·s and x/s, as AutoAWQ clips after `apply_scale`). The
-    per-group error uses each group's Gram matrix, so memory per row batch is a few weight-sized tensors."""
+    per-group error uses each group's Gram matrix, so memory per row batch is a few weight-sized tensors. On an
+    FP4 grid each group's scale comes from its clipped range over NVFP4's global scale (default: the weight's)."""
     out, cols = weight.shape
     span, groups = spec.span(cols), spec.groups(cols)
     x = x.reshape(-1, cols)
@@ -212,6 +222,8 @@ def search_clip(
     xg = x.reshape(-1, groups, span).transpose(0, 1)  # [groups, tokens, span]
     gram = xg.transpose(1, 2) @ xg / x.shape[0]  # [groups, span, span]
     w = weight.float()
+    if isinstance(spec, Fp4Spec) and global_scale is None:
+        global_scale = fp4.global_scale_of(w, spec)
     clipped = torch.empty_like(w)
     for r in range(0, out, rows_per_batch):
         wb = w[r : r + rows_per_batch].reshape(-1, groups, span)
@@ -224,7 +236,7 @@ def search_clip(
             # min / max of the clamped group are the clamped min / max: no reduction per candidate
             clamped = wb.clamp(-max_val[..., None], max_val[..., None])
             q = quantize_dequantize(clamped.view(-1, cols), spec, lo.clamp(-max_val, max_val),
-                                    hi.clamp(-max_val, max_val)).view_as(wb)
+                                    hi.clamp(-max_val, max_val), global_scale).view_as(wb)
             d = q.sub_(wb).transpose(0, 1)  # [groups, rows, span]
             err = ((d @ gram) * d).sum(-1).T  # [rows, groups]
             better = err < best_err

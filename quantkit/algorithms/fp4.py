@@ -197,6 +197,14 @@ def group_scales(groups: torch.Tensor, spec: Fp4Spec, global_scale: torch.Tensor
     return scale
 
 
+def scales_of_range(lo: torch.Tensor, hi: torch.Tensor, spec: Fp4Spec,
+                    global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The float32 scale each group is rounded with, from its min and max: calculate_qparams' scale as the artifact
+    stores it (e4m3 over the global scale, or e8m0), read back."""
+    scale, _ = calculate_qparams(lo, hi, spec.args, global_scale=global_scale)
+    return effective(store(scale, spec), global_scale)
+
+
 def round_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The e2m1 values of w / scale (float32), clamped and rounded as compressed-tensors' quantize does: its
     cast_to_fp4, bit for bit (-0 where a negative value rounds to zero; tested). e2m1's steps are 0.5 below 2, 1

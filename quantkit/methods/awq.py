@@ -4,13 +4,16 @@ rounds on the same grid. Its block pass is quantize/awq_pass.AwqPass; the search
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from ..algorithms.fp4 import Fp4Spec, spec_for
+from ..algorithms.grid import GridSpec
 from .base import Method, register
 from .config import Strict, WeightQuant, error
 from .gptq import GPTQ
+from .presets import SUPPORTED
 
 # Clipping scores each Linear on a strided subsample of its input (`clip_tokens` of them; AutoAWQ's
 # `_compute_best_clip` samples 512), so only that is kept per Linear. The scale search of a
@@ -27,8 +30,11 @@ MODULE_LOSS_TOKENS = 4096
 class AWQ(Strict):
     """AWQ's recipe arguments; `AWQMethod.weights` gives the grid it rounds to."""
 
+    # FP4 weights: the scales (and clips) are searched on compressed-tensors' preset grid, as llm-compressor's AWQ
+    # searches on whatever scheme a layer has; the preset sets group_size and a symmetric grid
+    scheme: Literal["NVFP4A16", "MXFP4A16"] | None = None
     bits: Literal[4] = 4
-    group_size: Literal[-1, 32, 64, 128] = 128
+    group_size: Literal[-1, 16, 32, 64, 128] = 128  # 16: NVFP4A16's only
     zero_point: bool = True  # true: asymmetric grid (AutoAWQ's default); false: symmetric
     grid: int = Field(20, ge=1, le=1000)  # scale exponents tried: alpha = i / grid, i < grid
     duo_scaling: bool = True  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default); false: s = x_mean^a
@@ -38,9 +44,36 @@ class AWQ(Strict):
     clip_tokens: int = Field(512, ge=1)
     ignore: list[str] = ["lm_head"]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("scheme"), str):
+            return data
+        name = data["scheme"].upper()
+        if name not in ("NVFP4A16", "MXFP4A16"):
+            raise error("scheme: awq searches int grids or the FP4 weight-only presets NVFP4A16 and MXFP4A16, got "
+                        "{name}{hint}", name=data["scheme"],
+                        hint=" (FP4 inputs: awq, then gptq with that scheme)" if name in ("NVFP4", "MXFP4") else "")
+        want = {"group_size": SUPPORTED[name]["group_size"], "zero_point": False}
+        for key, value in want.items():
+            if key in data and data[key] != value:
+                raise error("{key}: {name} sets {key}: {value}; drop {key} or the scheme", key=key, name=name,
+                            value=str(value).lower() if isinstance(value, bool) else value)
+        return {**data, **want, "scheme": name}
+
+    @model_validator(mode="after")
+    def _int_group(self) -> "AWQ":
+        if self.scheme is None and self.group_size == 16:
+            raise error("group_size: 16 is NVFP4A16's (scheme: NVFP4A16); int awq takes -1, 32, 64 or 128")
+        return self
+
     @property
     def sym(self) -> bool:
         return not self.zero_point
+
+    @property
+    def weight_grid(self) -> GridSpec | Fp4Spec:  # `grid` is the scale search's number of exponents
+        return spec_for(self.group_size) if self.scheme else GridSpec(self.bits, self.group_size, self.sym)
 
 
 class AWQMethod(Method):
@@ -52,6 +85,8 @@ class AWQMethod(Method):
 
     def weights(self, args: AWQ) -> WeightQuant:
         # round-to-nearest on AWQ's own grid; its clip search replaces an observer
+        if args.scheme:
+            return WeightQuant(scheme=args.scheme, ignore=args.ignore)
         return WeightQuant(bits=args.bits, group_size=args.group_size, sym=args.sym, ignore=args.ignore)
 
     def check_order(self, i: int, stages: list, last: int) -> None:
@@ -64,9 +99,14 @@ class AWQMethod(Method):
                         i=i, name=weight.name)
         # the scales and clipping are searched on awq's grid: gptq must round on that same grid
         awq, gptq = stages[i].args, weight.args
-        if gptq.type != "int":
+        if awq.scheme is None and gptq.type != "int":
             raise error("stages.{last}.gptq.type: awq searches its scales on an int grid; {t} weights after awq "
-                        "are not supported (drop the awq stage)", last=last, t=gptq.type)
+                        "are not supported (drop the awq stage, or give awq the scheme of gptq's FP4 weights)",
+                        last=last, t=gptq.type)
+        if awq.scheme is not None and gptq.grid != awq.weight_grid:
+            raise error("stages.{last}.gptq.scheme: must round on {name}'s grid to match stages.{i}.awq (scheme: "
+                        "{name}); awq searches its scales on the grid gptq then rounds to", last=last,
+                        name=awq.scheme, i=i)
         for key, want, got in (("bits", awq.bits, gptq.bits), ("group_size", awq.group_size, gptq.group_size),
                                ("sym", awq.sym, gptq.sym), ("ignore", awq.ignore, gptq.ignore)):
             if want != got:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..algorithms import awq
+from ..algorithms import awq, fp4
 from ..algorithms.gptq import Hessian
 from ..algorithms.grid import GridSpec
 from ..algorithms.smoothing import Mapping, fold
@@ -71,7 +71,7 @@ class AwqPass:
         self.current = self.mine  # those of the batch the block is running on (hidden.HiddenStates)
         self.called: set = set()  # what ran in this batch's forward
         self.total = windows
-        self.spec = GridSpec(args.bits, args.group_size, args.sym)
+        self.spec = args.weight_grid
         self.grids: dict[str, GridSpec] = {}  # full name -> a Linear's grid where it is not self.spec
         floated = set() if info is None else set(info.floated)
         self.targets: list[dict[str, nn.Linear]] = []  # per block: short name -> Linear that gets quantized
@@ -258,9 +258,12 @@ class AwqPass:
             owner = self.ranks.owners({n: lin.out_features * lin.in_features for n, lin in todo.items()})
             with torch.no_grad():
                 for name, lin in todo.items():  # each on its owner; the clipped weight to every process
+                    grid = self._grid(i, name)
+                    # NVFP4: the global scale the weight stage rounds with (a fused layer's, from its members now)
+                    gs = fp4.global_scale_for(lin, grid) if isinstance(grid, fp4.Fp4Spec) else None
                     mine = None if owner[name] != self.ranks.rank else \
-                        awq.search_clip(lin.weight.detach(), inputs[name], self._grid(i, name),
-                                        n_tokens=self.args.clip_tokens)
+                        awq.search_clip(lin.weight.detach(), inputs[name], grid, n_tokens=self.args.clip_tokens,
+                                        global_scale=gs)
                     lin.weight.copy_(self.ranks.broadcast(mine, owner[name]))
                     self.clipped += 1
         return warnings
