@@ -115,9 +115,6 @@ def test_awq_then_gptq_on_nvfp4_inputs(tiny_llama, tmp_path, monkeypatch):
     ("awq: {scheme: MXFP4A16}\n  - gptq: {scheme: NVFP4A16}", ("compressed-tensors",),
      "stages.1.gptq.scheme: must round on MXFP4A16's grid to match stages.0.awq (scheme: MXFP4A16); awq searches "
      "its scales on the grid gptq then rounds to"),
-    ("awq: {bits: 4, group_size: 32}\n  - gptq: {scheme: MXFP4A16}", ("compressed-tensors",),
-     "stages.1.gptq.type: awq searches its scales on an int grid; fp4 weights after awq are not supported (drop the "
-     "awq stage, or give awq the scheme of gptq's FP4 weights)"),
     ("awq: {scheme: NVFP4}", ("compressed-tensors",),
      "stages.0.awq: scheme: awq searches int grids or the FP4 weight-only presets NVFP4A16 and MXFP4A16, got NVFP4 "
      "(FP4 inputs: awq, then gptq with that scheme)"),
