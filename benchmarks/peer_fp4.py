@@ -72,7 +72,10 @@ def worker(cfg: dict) -> dict:
     if cfg["method"] == "rtn":
         recipe = QuantizationModifier(scheme=cfg["preset"], targets="Linear", ignore=["lm_head"])
     elif cfg["method"] == "awq":
+        import peer_awq_sq
         from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        peer_awq_sq._patch_pin_memory(True)  # its AWQ pins cached inputs, which CPU-only torch refuses
 
         recipe = [AWQModifier(duo_scaling=True, n_grid=20),
                   QuantizationModifier(scheme=cfg["preset"], targets="Linear", ignore=["lm_head"])]
