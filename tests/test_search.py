@@ -132,6 +132,33 @@ def test_search_bad_input_is_one_line(tiny_llama, tmp_path, monkeypatch, capsys,
     assert not (out / "compressed-tensors").exists()
 
 
+def test_refine_rescales_the_domains_and_keeps_the_best_measured_mix(tiny_llama, tmp_path, monkeypatch):
+    """refine: 1: the second allocation's domain factors are the first mix's measured / predicted KLD; the mix kept
+    is the one of least measured worst domain, its artifact is the one on disk and its recipe reproduces it."""
+    from conftest import run_cli
+
+    out = tmp_path / "out"
+    recipe = _search_recipe(tmp_path / "r.yaml", tiny_llama, out)
+    recipe.write_text(recipe.read_text() + "  refine: 1\n")
+    assert run_cli(monkeypatch, "search", recipe, "--quiet") == 0
+    body = json.loads((out / "search" / "search.json").read_text())
+    rounds = body["rounds"]
+    assert 1 <= len(rounds) <= 2 and rounds[0]["domain_factors"] == [1.0] * 3
+    if len(rounds) == 2:
+        first = rounds[0]
+        want = [first["measured"][d] / first["predicted"][d] for d in body["domains"]]
+        assert rounds[1]["domain_factors"] == pytest.approx(want)
+    kept = [r for r in rounds if r["kept"]]
+    assert len(kept) == 1 and max(kept[0]["measured"].values()) == min(max(r["measured"].values()) for r in rounds)
+    assert body["measured"]["kld"] == kept[0]["measured"]
+    artifact = out / "compressed-tensors"
+    assert kept[0]["bytes"] == sum(f.stat().st_size for f in artifact.glob("*.safetensors")) <= body["budget_bytes"]
+    assert not (out / "search" / "rounds").exists()
+    before = _hashes(artifact)
+    assert run_cli(monkeypatch, "quantize", out / "search" / "recipe.yaml", "--overwrite", "--quiet") == 0
+    assert _hashes(artifact) == before
+
+
 def test_a_candidate_that_fits_some_groups_only(tmp_path, monkeypatch):
     """Group 64 divides down_proj's 192 inputs, not the other Linears' 96 (as SmolLM2's 576 takes no group of 128):
     they never take it (no measurement, no pick), down_proj does when the budget allows, and the recipe quantizes."""

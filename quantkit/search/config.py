@@ -58,6 +58,10 @@ class Search(Strict):
     # the first this many of the recipe's calibration windows give the sensitivity pass its Hessians (None: all);
     # the chosen mix is then quantized on all of them
     calibration_samples: int | None = Field(128, ge=1)
+    # after the chosen mix is measured, each domain's predicted KLD is rescaled by measured / predicted (the groups'
+    # increases do not add up alike on every domain) and the allocation re-run, this many times; each new mix is
+    # quantized and measured, and the best measured one is kept
+    refine: int = Field(0, ge=0, le=3)
     # the candidate every group's KLD increase is measured at: the lossiest (largest Hessian-weighted output error);
     # the others are scaled from it by their error, and `checks` groups are measured at every candidate to show how
     # well that scaling agrees (search.json). measure: all measures every group at every candidate.

@@ -7,6 +7,7 @@ formats."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from pathlib import Path
 
@@ -93,20 +94,13 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     increase = np.array([[m["increase"][c] or [0.0] * len(sample.domains) for c in range(len(specs))]
                          for m in measured])  # [G, C, D]; a candidate a group cannot take: None, never picked
     with report.timed("allocate"):
-        chosen = allocate.allocate(increase, cost, budget, allowed)
         pareto = allocate.front(increase, cost, allowed)
-    report.info(f"search: predicted worst-domain KLD {chosen.worst:.4f} at {chosen.bytes + fixed} bytes")
-
-    mix = {n: specs[chosen.pick[gi]] for gi, g in enumerate(groups) for n in g}
-    chosen_raw = _chosen_recipe(raw, stage.name, mix)
-    write_text_atomic(out / "recipe.yaml", "# written by quantkit search (search.json has why)\n"
-                      + yaml.safe_dump(chosen_raw, sort_keys=False, width=120))
-    with report.timed("quantize_mix"):  # the run's own steps are timed under their names beside it
-        summary = run_quantize(parse_recipe(chosen_raw, str(out / "recipe.yaml")), overwrite, report)
+    rounds = _rounds(raw, recipe, stage.name, groups, specs, increase, cost, budget, allowed, cfg.refine, sample,
+                     out, overwrite, report)
+    best = min(rounds, key=lambda r: max(r["measured"]))
+    chosen, got, written, summary = best["choice"], {"domains": sample.domains, "kld": best["measured"]}, \
+        best["bytes"], best["summary"]
     artifact = Path(recipe.export.output) / fmt
-    written = _written_bytes(artifact)
-    with report.timed("measure"):
-        got = _measure(artifact, recipe, sample)
     body = {
         "recipe": str(path),
         "chosen_recipe": str(out / "recipe.yaml"),
@@ -123,6 +117,10 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
         "pareto": [{"bytes": p.bytes + fixed, "worst": p.worst, "kld": dict(zip(got["domains"], p.predicted)),
                     "mix": _counts(p.pick, specs)} for p in pareto],
         "checks": _agreement(measured),
+        "rounds": [{"mix": _counts(r["choice"].pick, specs), "domain_factors": r["factors"],
+                    "predicted": dict(zip(sample.domains, r["predicted"])),
+                    "measured": dict(zip(sample.domains, r["measured"])), "bytes": r["bytes"],
+                    "kept": r is best} for r in rounds],
         "timings": report.timings | {"total": round(time.perf_counter() - start, 1)},
         "quantize": {k: summary.get(k) for k in ("timings", "formats") if k in summary},
         "decode_speedup": _speedup(model, dtype, written, cfg.budget.decode_speedup),
@@ -134,6 +132,57 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
                 f"{chosen.worst:.4f}) at {written} bytes (budget {budget + fixed}), decode "
                 f"{body['decode_speedup']['roofline']}x the 16-bit original by the roofline; {out}")
     return body
+
+
+def _rounds(raw, recipe, method, groups, specs, increase, cost, budget, allowed, refine, sample, out, overwrite,
+            report) -> list[dict]:
+    """The allocation, its mix quantized and measured; then up to `refine` times the allocation again with each
+    domain's increases scaled by its measured / predicted KLD, a new mix quantized and measured. The best measured
+    mix's artifact and search/recipe.yaml are left in place (the others' artifacts are removed)."""
+    fmts = recipe.export.formats
+    root = Path(recipe.export.output)
+    factors = np.ones(increase.shape[2])
+    rounds: list[dict] = []
+    while True:
+        with report.timed("allocate"):
+            chosen = allocate.allocate(increase * factors, cost, budget, allowed)
+        if any(r["choice"].pick == chosen.pick for r in rounds):
+            break  # the rescaled allocation chose a mix already measured
+        report.info(f"search: predicted worst-domain KLD {chosen.worst:.4f} at {chosen.bytes} bytes of the searched "
+                    f"Linears" + (f" (round {len(rounds) + 1}, domain factors "
+                                  f"{', '.join(f'{f:.2f}' for f in factors)})" if rounds else ""))
+        mix = {n: specs[chosen.pick[gi]] for gi, g in enumerate(groups) for n in g}
+        chosen_raw = _chosen_recipe(raw, method, mix)
+        text = "# written by quantkit search (search.json has why)\n" + yaml.safe_dump(chosen_raw, sort_keys=False,
+                                                                                      width=120)
+        write_text_atomic(out / "recipe.yaml", text)
+        with report.timed("quantize_mix"):  # the run's own steps are timed under their names beside it
+            summary = run_quantize(parse_recipe(chosen_raw, str(out / "recipe.yaml")), overwrite or bool(rounds),
+                                   report)
+        with report.timed("measure"):
+            got = _measure(root / fmts[0], recipe, sample)
+        rounds.append({"choice": chosen, "factors": [float(f) for f in factors], "predicted": chosen.predicted,
+                       "measured": got["kld"], "bytes": _written_bytes(root / fmts[0]), "summary": summary,
+                       "recipe": text})
+        if len(rounds) > refine:
+            break
+        for f in fmts:  # kept aside until the best is known
+            _move(root / f, out / "rounds" / str(len(rounds)) / f)
+        factors = factors * np.array(got["kld"]) / np.maximum(np.array(chosen.predicted), 1e-12)
+    best = min(rounds, key=lambda r: max(r["measured"]))
+    if best is not rounds[-1]:
+        for f in fmts:
+            shutil.rmtree(root / f, ignore_errors=True)
+            _move(out / "rounds" / str(rounds.index(best) + 1) / f, root / f)
+        write_text_atomic(out / "recipe.yaml", best["recipe"])
+    shutil.rmtree(out / "rounds", ignore_errors=True)
+    return rounds
+
+
+def _move(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dst, ignore_errors=True)
+    src.rename(dst)
 
 
 def _fits(groups: list[tuple[str, ...]], targets: dict, specs: list, formats: list[str], path: str) -> np.ndarray:
