@@ -85,10 +85,11 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
         report.info(f"search: {label(specs[c])} does not fit {int((~allowed[:, c]).sum())} of {len(groups)} groups "
                     "(its group size does not divide their in_features); they take the other candidates")
 
-    # what the measurements depend on: not the budget (a search is re-run at another budget), but the model's files
+    # what the measurements depend on: not the budget (a search is re-run at another budget) nor the refining, but
+    # the model's files
     # and the scored tokens (added once they are read)
     key = {"recipe": recipe_fingerprint(recipe), "model": model_fingerprint(recipe.model),
-           "search": cfg.model_dump(mode="json", exclude={"budget"}), "candidates": [label(s) for s in specs]}
+           "search": cfg.model_dump(mode="json", exclude={"budget", "refine"}), "candidates": [label(s) for s in specs]}
     measured, sample = _sensitivity(recipe, cfg, loaded, prefix, blocks, targets, groups, specs, allowed, key, out,
                                     report)
     increase = np.array([[m["increase"][c] or [0.0] * len(sample.domains) for c in range(len(specs))]
