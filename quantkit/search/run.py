@@ -86,8 +86,7 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
                     "(its group size does not divide their in_features); they take the other candidates")
 
     # what the measurements depend on: not the budget (a search is re-run at another budget) nor the refining, but
-    # the model's files
-    # and the scored tokens (added once they are read)
+    # the model's files and the scored tokens (added once they are read)
     key = {"recipe": recipe_fingerprint(recipe), "model": model_fingerprint(recipe.model),
            "search": cfg.model_dump(mode="json", exclude={"budget", "refine"}), "candidates": [label(s) for s in specs]}
     measured, sample = _sensitivity(recipe, cfg, loaded, prefix, blocks, targets, groups, specs, allowed, key, out,
