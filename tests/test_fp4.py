@@ -182,7 +182,7 @@ def test_artifact_loads_in_quantkit_and_transformers(stage, preset, bound, tiny_
      "stages.0.rtn: group_size: fp4 weights need group_size: 16 (NVFP4A16) or 32 (MXFP4A16), got 64"),
     ("awq: {bits: 4, group_size: 32}\n  - gptq: {scheme: MXFP4A16}", ("compressed-tensors",),
      "stages.1.gptq.type: awq searches its scales on an int grid; fp4 weights after awq are not supported "
-     "(drop the awq stage, or give awq gptq's FP4 scheme)"),
+     "(drop the awq stage, or give awq the weight-only FP4 scheme (NVFP4A16 / MXFP4A16))"),
 ])
 def test_bad_fp4_recipes_are_one_line(stage, formats, line, tiny_factory, tmp_path, monkeypatch, capsys):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_factory("llama"), tmp_path / "out", stage, formats)

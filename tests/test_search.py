@@ -159,6 +159,36 @@ def test_refine_rescales_the_domains_and_keeps_the_best_measured_mix(tiny_llama,
     assert _hashes(artifact) == before
 
 
+def test_a_refined_allocation_that_repeats_a_mix_keeps_its_artifact(tmp_path, monkeypatch):
+    """Round 2 picks round 1's mix again: the loop stops, and round 1's artifact, set aside, is put back."""
+    from types import SimpleNamespace
+
+    from quantkit.search import run
+
+    root = tmp_path / "out"
+
+    def quantize(recipe, overwrite, report):
+        (root / "compressed-tensors").mkdir(parents=True)
+        (root / "compressed-tensors" / "model.safetensors").write_bytes(b"x" * 10)
+        return {}
+
+    monkeypatch.setattr(run, "run_quantize", quantize)
+    monkeypatch.setattr(run, "_measure", lambda artifact, recipe, sample: {"kld": [0.2, 0.1]})
+    monkeypatch.setattr(run, "parse_recipe", lambda raw, path: raw)
+    raw = {"model": "m", "stages": [{"gptq": {"bits": 4}}], "export": {"output": str(root)}}
+    recipe = SimpleNamespace(export=SimpleNamespace(output=str(root), formats=["compressed-tensors"]))
+    from quantkit.algorithms.grid import GridSpec
+    from quantkit.progress import Reporter
+
+    (root / "search").mkdir(parents=True)
+    rounds = run._rounds(raw, recipe, "gptq", [("a.q",)], [GridSpec(4, -1, True)], np.array([[[0.1, 0.1]]]),
+                         np.array([[5]]), 10, np.ones((1, 1), dtype=bool), 1, SimpleNamespace(domains=["x", "y"]),
+                         root / "search", False, Reporter(quiet=True))
+    assert len(rounds) == 1 and rounds[0]["factors"] == [1.0, 1.0]
+    assert (root / "compressed-tensors" / "model.safetensors").read_bytes() == b"x" * 10
+    assert not (root / "search" / "rounds").exists()
+
+
 def test_a_candidate_that_fits_some_groups_only(tmp_path, monkeypatch):
     """Group 64 divides down_proj's 192 inputs, not the other Linears' 96 (as SmolLM2's 576 takes no group of 128):
     they never take it (no measurement, no pick), down_proj does when the budget allows, and the recipe quantizes."""

@@ -102,7 +102,8 @@ class AWQMethod(Method):
         if awq.scheme is None and gptq.type != "int":
             raise error("stages.{last}.gptq.type: awq searches its scales on an int grid; {t} weights after awq "
                         "are not supported (drop the awq stage{hint})", last=last, t=gptq.type,
-                        hint=", or give awq gptq's FP4 scheme" if gptq.type == "fp4" else "")
+                        hint=", or give awq the weight-only FP4 scheme (NVFP4A16 / MXFP4A16)" if gptq.type == "fp4"
+                        else "")
         if awq.scheme is not None and gptq.grid != awq.weight_grid:
             raise error("stages.{last}.gptq.scheme: must round on {name}'s grid to match stages.{i}.awq (scheme: "
                         "{name}); awq searches its scales on the grid gptq then rounds to", last=last,

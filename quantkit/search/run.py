@@ -83,12 +83,14 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
                 f"({', '.join(map(label, specs))}); budget {budget + fixed} bytes")
     for c in np.flatnonzero(~allowed.all(axis=0)):
         report.info(f"search: {label(specs[c])} does not fit {int((~allowed[:, c]).sum())} of {len(groups)} groups "
-                    "(its group size does not divide their in_features); they take the other candidates")
+                    "(its group size does not divide their in_features, or a format cannot pack them); they take the "
+                    "other candidates")
 
     # what the measurements depend on: not the budget (a search is re-run at another budget) nor the refining, but
     # the model's files and the scored tokens (added once they are read)
     key = {"recipe": recipe_fingerprint(recipe), "model": model_fingerprint(recipe.model),
-           "search": cfg.model_dump(mode="json", exclude={"budget", "refine"}), "candidates": [label(s) for s in specs]}
+           "search": cfg.model_dump(mode="json", exclude={"budget", "refine"}), "candidates": [label(s) for s in specs],
+           "fits": allowed.tolist()}  # which candidates the formats let each group take
     measured, sample = _sensitivity(recipe, cfg, loaded, prefix, blocks, targets, groups, specs, allowed, key, out,
                                     report)
     increase = np.array([[m["increase"][c] or [0.0] * len(sample.domains) for c in range(len(specs))]
@@ -109,16 +111,18 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
         "candidates": [label(s) for s in specs],
         "budget_bytes": budget + fixed,
         "fixed_bytes": fixed,
-        "predicted": {"bytes": chosen.bytes + fixed, "kld": dict(zip(got["domains"], chosen.predicted)),
-                      "worst": chosen.worst},
+        "predicted": {"bytes": chosen.bytes + fixed, "kld": dict(zip(got["domains"], best["unscaled"])),
+                      "worst": max(best["unscaled"])},
         "measured": {"bytes": written, "kld": dict(zip(got["domains"], got["kld"])), "worst": max(got["kld"])},
         "groups": [{"linears": list(g), "choice": label(specs[chosen.pick[gi]]),
-                    "bytes": [int(x) for x in cost[gi]], **measured[gi]} for gi, g in enumerate(groups)],
+                    "bytes": [int(x) if ok else None for x, ok in zip(cost[gi], allowed[gi])], **measured[gi]}
+                   for gi, g in enumerate(groups)],
         "pareto": [{"bytes": p.bytes + fixed, "worst": p.worst, "kld": dict(zip(got["domains"], p.predicted)),
                     "mix": _counts(p.pick, specs)} for p in pareto],
         "checks": _agreement(measured),
         "rounds": [{"mix": _counts(r["choice"].pick, specs), "domain_factors": r["factors"],
                     "predicted": dict(zip(sample.domains, r["predicted"])),
+                    "predicted_unscaled": dict(zip(sample.domains, r["unscaled"])),
                     "measured": dict(zip(sample.domains, r["measured"])), "bytes": r["bytes"],
                     "kept": r is best} for r in rounds],
         "timings": report.timings | {"total": round(time.perf_counter() - start, 1)},
@@ -129,7 +133,7 @@ def run_search(path: str, report: Reporter, overwrite: bool = False) -> dict:
     write_text_atomic(out / "layers.md", _layers_table(body))
     plots.pareto(body, out / "pareto.png")
     report.info(f"search: measured worst-domain KLD {body['measured']['worst']:.4f} (predicted "
-                f"{chosen.worst:.4f}) at {written} bytes (budget {budget + fixed}), decode "
+                f"{max(best['unscaled']):.4f}) at {written} bytes (budget {budget + fixed}), decode "
                 f"{body['decode_speedup']['roofline']}x the 16-bit original by the roofline; {out}")
     return body
 
@@ -161,16 +165,19 @@ def _rounds(raw, recipe, method, groups, specs, increase, cost, budget, allowed,
                                    report)
         with report.timed("measure"):
             got = _measure(root / fmts[0], recipe, sample)
+        raw_predicted = np.array(allocate.choice(chosen.pick, increase, cost).predicted)  # without the factors
         rounds.append({"choice": chosen, "factors": [float(f) for f in factors], "predicted": chosen.predicted,
-                       "measured": got["kld"], "bytes": _written_bytes(root / fmts[0]), "summary": summary,
-                       "recipe": text})
+                       "unscaled": raw_predicted.tolist(), "measured": got["kld"],
+                       "bytes": _written_bytes(root / fmts[0]), "summary": summary, "recipe": text, "aside": False})
         if len(rounds) > refine:
             break
         for f in fmts:  # kept aside until the best is known
             _move(root / f, out / "rounds" / str(len(rounds)) / f)
-        factors = factors * np.array(got["kld"]) / np.maximum(np.array(chosen.predicted), 1e-12)
+        rounds[-1]["aside"] = True
+        # a domain predicted at ~0 keeps its factor (its ratio says nothing)
+        factors = np.where(raw_predicted > 1e-9, np.array(got["kld"]) / np.maximum(raw_predicted, 1e-9), factors)
     best = min(rounds, key=lambda r: max(r["measured"]))
-    if best is not rounds[-1]:
+    if best["aside"]:
         for f in fmts:
             shutil.rmtree(root / f, ignore_errors=True)
             _move(out / "rounds" / str(rounds.index(best) + 1) / f, root / f)
@@ -187,7 +194,7 @@ def _move(src: Path, dst: Path) -> None:
 
 def _fits(groups: list[tuple[str, ...]], targets: dict, specs: list, formats: list[str], path: str) -> np.ndarray:
     """[G, C]: whether every Linear of a group can take a candidate (its group size divides in_features, and each
-    format packs it). A group no candidate fits is refused in one line."""
+    format packs it). A group no candidate fits is refused in one line (naming the group size, the usual cause)."""
     def fits(spec, name: str) -> bool:
         m = targets[name]
         if spec is None:
